@@ -1,0 +1,170 @@
+"""Catalog engines: SQLite (WAL, busy timeout, serialized writers) and PostgreSQL, and the
+schema check that runs Alembic from code."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy.pool import NullPool
+
+from ..errors import CatalogError, SchemaVersionError
+from ._schema import Base
+
+__all__ = ["make_engine", "check_schema", "upgrade_schema", "migrations_dir", "head_revision", "redact"]
+
+_WRITE = "ckstore_write"
+# advisory lock key shared by commits (shared mode) and gc sweeps (exclusive mode)
+GC_LOCK_KEY = 0x636B73746F7265  # "ckstore"
+
+
+def redact(url: str) -> str:
+    """A catalog URL with any password hidden, for messages and logs."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL we can parse; show it as given
+        return url
+
+
+def make_engine(url: str) -> Engine:
+    url = os.path.expandvars(url)
+    try:
+        if url.startswith("sqlite"):
+            engine = create_engine(
+                url,
+                connect_args={"timeout": 120, "check_same_thread": False},
+                poolclass=NullPool,
+            )
+
+            @event.listens_for(engine, "connect")
+            def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
+                dbapi_conn.isolation_level = None  # ckstore emits BEGIN itself, below
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=FULL")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.execute("PRAGMA busy_timeout=120000")
+                cur.close()
+
+            @event.listens_for(engine, "begin")
+            def _on_begin(conn: Connection) -> None:
+                # Writers take the database's write lock up front, so two writers never
+                # deadlock upgrading read locks; readers run beside them under WAL.
+                conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get(_WRITE) else "BEGIN")
+
+        else:
+            engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)
+    except Exception as e:  # noqa: BLE001 - bad URL, missing driver
+        raise CatalogError(f"cannot open catalog {redact(url)}: {e}") from e
+    return engine
+
+
+@contextmanager
+def write_txn(engine: Engine, lock: str | None = None) -> Iterator[Connection]:
+    """A write transaction. ``lock`` is ``"shared"`` (commits) or ``"exclusive"`` (gc sweeps).
+
+    On SQLite every write transaction already excludes every other writer; on PostgreSQL the
+    lock is a transaction-scoped advisory lock.
+    """
+    with engine.connect() as conn:
+        conn.info[_WRITE] = True
+        try:
+            with conn.begin():
+                if lock and engine.dialect.name == "postgresql":
+                    fn = "pg_advisory_xact_lock_shared" if lock == "shared" else "pg_advisory_xact_lock"
+                    conn.execute(text(f"SELECT {fn}(:k)"), {"k": GC_LOCK_KEY})
+                yield conn
+        finally:
+            conn.info.pop(_WRITE, None)
+
+
+def migrations_dir() -> Path:
+    """The Alembic script folder: shipped inside the wheel, or the source tree's ``migrations/``."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "_migrations", here.parent / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise CatalogError("ckstore's migration scripts are missing from this installation; reinstall ckstore")
+
+
+def _alembic_config(engine: Engine) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    return cfg
+
+
+def head_revision(engine: Engine) -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config(engine)).get_current_head()
+    assert head is not None
+    return head
+
+
+def _current_revision(conn: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+_OWN_TABLES = frozenset(Base.metadata.tables)
+
+
+def check_schema(engine: Engine, upgrade_hint: str) -> None:
+    """Create a fresh catalog at head, or verify an existing one is at head.
+
+    An outdated catalog raises :class:`SchemaVersionError` carrying ``upgrade_hint``, the exact
+    command that upgrades it.
+    """
+    from alembic import command
+
+    try:
+        with write_txn(engine, lock="exclusive") as conn:
+            tables = set(inspect(conn).get_table_names())
+            if "alembic_version" not in tables and not (tables & _OWN_TABLES):
+                Base.metadata.create_all(conn)
+                cfg = _alembic_config(engine)
+                cfg.attributes["connection"] = conn
+                command.stamp(cfg, "head")
+                return
+            current = _current_revision(conn)
+    except SchemaVersionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - connection refused, permissions, …
+        raise CatalogError(f"cannot open catalog {redact(str(engine.url))}: {e}") from e
+    head = head_revision(engine)
+    if current == head:
+        return
+    from alembic.script import ScriptDirectory
+
+    known = {s.revision for s in ScriptDirectory.from_config(_alembic_config(engine)).walk_revisions()}
+    if current is not None and current not in known:
+        raise SchemaVersionError(
+            f"catalog {redact(str(engine.url))} has schema revision {current}, written by a newer "
+            "ckstore than this one; upgrade ckstore to use it"
+        )
+    raise SchemaVersionError(
+        f"catalog {redact(str(engine.url))} has schema revision {current or '(none)'} but this "
+        f"ckstore needs {head}. Back it up, then run: {upgrade_hint}"
+    )
+
+
+def upgrade_schema(engine: Engine) -> tuple[str | None, str]:
+    """Upgrade the catalog to head; returns ``(from_revision, to_revision)``."""
+    from alembic import command
+
+    cfg = _alembic_config(engine)
+    with write_txn(engine, lock="exclusive") as conn:
+        before = _current_revision(conn)
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    return before, head_revision(engine)

@@ -1,0 +1,161 @@
+"""Chunk frames: byte-grouping plus zstd, with incompressible bytes stored raw.
+
+A frame is what the blob store holds for one chunk. Its header is 8 bytes, little-endian::
+
+    u8  codec      0 = raw, 1 = zstd, 2 = byte planes
+    u8  itemsize   element size the planes were cut by (codec 2), else 1
+    u16 plane_mask bit j set: plane j is zstd-compressed (codec 2)
+    u32 raw_len    length of the chunk's raw bytes
+
+Codec 2 follows the header with ``itemsize`` u32 stored plane lengths, then the planes. Plane j
+holds byte j of every element (``raw[j::itemsize]``). Only planes whose sample shrinks are
+compressed: for float tensors that is the sign/exponent plane, while mantissa planes are
+random bytes that zstd cannot shrink, so skipping them keeps the ratio at a fraction of the CPU.
+
+Encoding never concatenates: a frame is a list of buffers written one after another, and a
+chunk that does not shrink is written straight from the tensor's memory.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from .errors import IntegrityError
+
+__all__ = ["CODEC_RAW", "CODEC_ZSTD", "CODEC_PLANES", "Frame", "encode", "decode_into", "HEADER_SIZE"]
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+CODEC_PLANES = 2
+
+HEADER_SIZE = 8
+_HEADER = struct.Struct("<BBHI")
+_SAMPLE_BYTES = 16 * 1024
+_SHRINK_ENOUGH = 0.92  # a plane is compressed only if its sample shrinks below this ratio
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    key = f"c{level}"
+    c = getattr(_local, key, None)
+    if c is None:
+        c = zstandard.ZstdCompressor(level=level)
+        setattr(_local, key, c)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "d", None)
+    if d is None:
+        d = _local.d = zstandard.ZstdDecompressor()
+    return d
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """An encoded chunk: buffers to write in order, and their total length."""
+
+    codec: int
+    parts: tuple[bytes | memoryview, ...]
+    length: int
+
+
+def _shrinks(sample: np.ndarray, level: int) -> bool:
+    if sample.nbytes == 0:
+        return False
+    return len(_compressor(level).compress(sample)) < _SHRINK_ENOUGH * sample.nbytes
+
+
+def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
+    """Encode one chunk's raw bytes; ``raw`` must stay alive until the frame is written."""
+    n = raw.nbytes
+    a = np.frombuffer(raw, dtype=np.uint8)
+    if itemsize <= 1 or n % itemsize or n < 2 * itemsize:
+        if _shrinks(a[:_SAMPLE_BYTES], level):
+            comp = _compressor(level).compress(a)
+            if len(comp) < n:
+                return Frame(CODEC_ZSTD, (_HEADER.pack(CODEC_ZSTD, 1, 0, n), comp), HEADER_SIZE + len(comp))
+        return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
+
+    head = a[: _SAMPLE_BYTES * itemsize]
+    mask = 0
+    for j in range(itemsize):
+        if _shrinks(np.ascontiguousarray(head[j::itemsize]), level):
+            mask |= 1 << j
+    if not mask:
+        return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
+
+    planes: list[bytes | memoryview] = []
+    for j in range(itemsize):
+        plane = np.ascontiguousarray(a[j::itemsize])
+        if mask >> j & 1:
+            comp = _compressor(level).compress(plane)
+            if len(comp) < plane.nbytes:
+                planes.append(comp)
+                continue
+            mask &= ~(1 << j)
+        planes.append(memoryview(plane))
+    if not mask:
+        return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
+    lengths = struct.pack(f"<{itemsize}I", *(memoryview(p).nbytes for p in planes))
+    total = HEADER_SIZE + len(lengths) + sum(memoryview(p).nbytes for p in planes)
+    header = _HEADER.pack(CODEC_PLANES, itemsize, mask, n)
+    return Frame(CODEC_PLANES, (header, lengths, *planes), total)
+
+
+def raw_length(frame: memoryview | bytes) -> int:
+    """The raw length a frame decodes to, read from its header."""
+    if len(frame) < HEADER_SIZE:
+        raise IntegrityError(f"chunk frame of {len(frame)} bytes is shorter than its header")
+    return int(_HEADER.unpack_from(frame, 0)[3])
+
+
+def decode_into(frame: memoryview | bytes, dest: memoryview) -> None:
+    """Decode ``frame`` into ``dest``, which must be exactly the chunk's raw length.
+
+    Raises :class:`IntegrityError` when the frame is malformed; the caller verifies the digest.
+    """
+    fv = memoryview(frame)
+    if fv.nbytes < HEADER_SIZE:
+        raise IntegrityError(f"chunk frame of {fv.nbytes} bytes is shorter than its header")
+    codec, itemsize, mask, n = _HEADER.unpack_from(fv, 0)
+    out = np.frombuffer(dest, dtype=np.uint8)
+    if out.nbytes != n:
+        raise IntegrityError(f"chunk frame holds {n} raw bytes, expected {out.nbytes}")
+    body = fv[HEADER_SIZE:]
+    try:
+        if codec == CODEC_RAW:
+            if body.nbytes != n:
+                raise IntegrityError(f"raw chunk frame holds {body.nbytes} bytes, header says {n}")
+            out[:] = np.frombuffer(body, dtype=np.uint8)
+        elif codec == CODEC_ZSTD:
+            data = _decompressor().decompress(body, max_output_size=n)
+            if len(data) != n:
+                raise IntegrityError(f"zstd chunk decoded to {len(data)} bytes, header says {n}")
+            out[:] = np.frombuffer(data, dtype=np.uint8)
+        elif codec == CODEC_PLANES:
+            if itemsize < 2 or n % itemsize:
+                raise IntegrityError(f"byte-plane frame with itemsize {itemsize} and length {n}")
+            lengths = struct.unpack_from(f"<{itemsize}I", body, 0)
+            pos = 4 * itemsize
+            per_plane = n // itemsize
+            for j, ln in enumerate(lengths):
+                part = body[pos : pos + ln]
+                pos += ln
+                if mask >> j & 1:
+                    part = memoryview(_decompressor().decompress(part, max_output_size=per_plane))
+                if part.nbytes != per_plane:
+                    raise IntegrityError(f"byte plane {j} holds {part.nbytes} bytes, expected {per_plane}")
+                out[j::itemsize] = np.frombuffer(part, dtype=np.uint8)
+            if pos != body.nbytes:
+                raise IntegrityError("byte-plane frame has trailing bytes")
+        else:
+            raise IntegrityError(f"unknown chunk codec {codec}")
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"chunk frame does not decompress: {e}") from e

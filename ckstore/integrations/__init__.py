@@ -1,0 +1,1 @@
+"""Glue to the frameworks people use today: torch.distributed, PyTorch DCP, DeepSpeed, torch.save."""

@@ -1,0 +1,133 @@
+"""Packs: many chunk frames in one blob-store object.
+
+Packing keeps a commit of thousands of small tensors to a handful of objects. A pack's key is
+random (``packs/3f/3fa9…``), never derived from its content: a chunk written again after gc
+dropped it lands in a new pack, so a commit and a concurrent gc never race on one key.
+
+Pack bytes::
+
+    "CKPK" u8 version=1 u8[3] zero          header, 8 bytes
+    frame*                                   chunk frames (see ckstore.codec)
+    index                                    32 bytes a chunk: digest[16] u64 offset u32 length u32 raw_len
+    u32 chunk_count  "CKPI"                  footer, 8 bytes
+
+The catalog holds each chunk's offset and length, so reads never need the index; it is there so
+``ckstore fsck`` can check a pack against the catalog and a lost catalog can be rebuilt.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .blobstore import BlobStore
+from .codec import Frame
+from .errors import IntegrityError
+
+__all__ = ["PackWriter", "PackedChunk", "new_pack_key", "read_index", "PACK_HEADER"]
+
+PACK_MAGIC = b"CKPK"
+PACK_VERSION = 1
+PACK_HEADER = PACK_MAGIC + bytes([PACK_VERSION, 0, 0, 0])
+INDEX_MAGIC = b"CKPI"
+_INDEX_ENTRY = struct.Struct("<16sQII")
+_FOOTER = struct.Struct("<I4s")
+
+
+def new_pack_key() -> str:
+    h = uuid.uuid4().hex
+    return f"packs/{h[:2]}/{h}"
+
+
+@dataclass(frozen=True, slots=True)
+class PackedChunk:
+    digest: bytes
+    offset: int
+    length: int
+    raw_size: int
+    codec: int
+
+
+class PackWriter:
+    """Appends chunk frames to packs of about ``target_size`` bytes.
+
+    ``on_open() -> (key, pack_id)`` runs before a pack's object is written: the caller records
+    the pack in the catalog first (or takes a key recorded for it in advance).
+    ``on_close(pack_id, size, chunks)`` runs once the object is durable.
+    """
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        target_size: int,
+        on_open: Callable[[], tuple[str, Any]],
+        on_close: Callable[[Any, int, list[PackedChunk]], None],
+    ) -> None:
+        self.blobs = blobs
+        self.target_size = target_size
+        self._on_open = on_open
+        self._on_close = on_close
+        self._stack: ExitStack | None = None
+        self._w: Any = None
+        self._pack_id: Any = None
+        self._chunks: list[PackedChunk] = []
+        self._pos = 0
+        self.packs_written = 0
+
+    def add(self, digest: bytes, frame: Frame, raw_size: int) -> None:
+        if self._w is None:
+            self._open()
+        for part in frame.parts:
+            self._w.write(part)
+        self._chunks.append(PackedChunk(digest, self._pos, frame.length, raw_size, frame.codec))
+        self._pos += frame.length
+        if self._pos >= self.target_size:
+            self._finish()
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._finish()
+
+    def abort(self) -> None:
+        if self._stack is not None:
+            stack, self._stack, self._w = self._stack, None, None
+            try:
+                raise RuntimeError("pack aborted")
+            except RuntimeError as e:
+                stack.__exit__(type(e), e, e.__traceback__)
+
+    def _open(self) -> None:
+        key, self._pack_id = self._on_open()
+        self._stack = ExitStack()
+        self._w = self._stack.enter_context(self.blobs.writer(key))
+        self._w.write(PACK_HEADER)
+        self._pos = len(PACK_HEADER)
+        self._chunks = []
+
+    def _finish(self) -> None:
+        assert self._stack is not None
+        index = b"".join(_INDEX_ENTRY.pack(c.digest, c.offset, c.length, c.raw_size) for c in self._chunks)
+        self._w.write(index)
+        self._w.write(_FOOTER.pack(len(self._chunks), INDEX_MAGIC))
+        size = self._pos + len(index) + _FOOTER.size
+        stack, self._stack, self._w = self._stack, None, None
+        stack.close()  # the object becomes visible (and durable) here
+        self.packs_written += 1
+        chunks, self._chunks = self._chunks, []
+        self._on_close(self._pack_id, size, chunks)
+
+
+def read_index(data: bytes) -> list[tuple[bytes, int, int, int]]:
+    """Parse a whole pack's index: ``[(digest, offset, length, raw_len), …]``."""
+    if len(data) < len(PACK_HEADER) + _FOOTER.size or data[:4] != PACK_MAGIC:
+        raise IntegrityError("not a ckstore pack (bad header)")
+    count, magic = _FOOTER.unpack_from(data, len(data) - _FOOTER.size)
+    if magic != INDEX_MAGIC:
+        raise IntegrityError("pack footer is damaged")
+    start = len(data) - _FOOTER.size - count * _INDEX_ENTRY.size
+    if start < len(PACK_HEADER):
+        raise IntegrityError("pack index is damaged")
+    return [_INDEX_ENTRY.unpack_from(data, start + i * _INDEX_ENTRY.size) for i in range(count)]

@@ -1,0 +1,384 @@
+"""The store: a blob store plus a catalog, and the user-facing API over them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import _commit
+from ._checkout import execute_plan
+from .blobstore import BlobNotFoundError, BlobStore, open_blobstore
+from .catalog import Catalog, Owner
+from .config import CONFIG_KEY, StoreConfig, check_no_secret, expand
+from .errors import CheckpointNotFoundError, StoreConfigError
+from .layout import WorldLayout
+from .manifest import Manifest
+from .records import Checkpoint, RunInfo
+from .refs import check_name, parse_ref
+from .reshard import plan_checkout
+from .tensorio import dtype_from_name, itemsize, unflatten
+
+__all__ = ["Store", "open", "init"]
+
+RankStates = Mapping[int, Mapping[str, Any]]
+
+
+def _default_workers() -> int:
+    return max(2, min(8, (os.cpu_count() or 2)))
+
+
+class Store:
+    """A checkpoint store. Open one with :func:`ckstore.open`.
+
+    ``run`` is the default run for commits and refs that do not name one. A store may be used
+    from several threads for reads; commits from one process run one at a time per store object.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        blobs: BlobStore,
+        catalog: Catalog,
+        config: StoreConfig,
+        *,
+        run: str | None = None,
+        workers: int | None = None,
+    ) -> None:
+        self.location = location
+        self.blobs = blobs
+        self.catalog = catalog
+        self.config = config
+        self.run = check_name("run", run) if run is not None else None
+        self.workers = workers or _default_workers()
+
+    def __repr__(self) -> str:
+        return f"Store({self.location!r}, run={self.run!r})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    # -- commit ---------------------------------------------------------------------------------
+    def commit(
+        self,
+        step: int,
+        rank_states: RankStates,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        tags: Sequence[str] = (),
+        kind: str = "checkpoint",
+        run: str | None = None,
+        replace: bool = False,
+        world_layout: WorldLayout | None = None,
+        allow_pickle: bool = False,
+        parent: str | int | None = None,
+        process_group: Any = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Checkpoint:
+        """Store ``rank_states`` (``{rank: {sub_key: state_dict}}``) as checkpoint ``step`` of a run.
+
+        The checkpoint becomes visible atomically once every chunk is durable. Inside an
+        initialized ``torch.distributed`` job (or with ``process_group``) this is a collective:
+        each rank passes its own states and every rank returns the same record.
+        ``progress(done_bytes, total_bytes)`` is called as chunks are written.
+        """
+        run_name = self._run_for_commit(run)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StoreConfigError(f"step must be a non-negative int, got {step!r}")
+        check_name("kind", kind) if kind else None
+        clean_metrics = _check_metrics(metrics)
+        for t in tags:
+            check_name("tag", t)
+        from .integrations import distributed as _dist
+
+        group = _dist.active_group(process_group)
+        if group is not None:
+            return _dist.commit_collective(
+                self, group, step, rank_states, clean_metrics,
+                tags=tuple(tags), kind=kind, run=run_name, replace=replace, world_layout=world_layout,
+                allow_pickle=allow_pickle, parent=parent,
+            )  # fmt: skip
+        entries = _commit.prepare_entries(rank_states, allow_pickle=allow_pickle)
+        layout = world_layout or WorldLayout.flat(max(e.rank for e in entries) + 1)
+        for e in entries:
+            layout.coords(e.rank)  # a rank outside the layout is an error
+        specs = _commit.resolve_entry_shards(entries, layout)
+        parent_id = self._parent_id(parent, run_name)
+        return self._commit_prepared(
+            run_name, step, entries, specs, layout, clean_metrics, tuple(tags), kind, replace, parent_id, progress
+        )
+
+    def _run_for_commit(self, run: str | None) -> str:
+        name = run or self.run
+        if name is None:
+            raise StoreConfigError(
+                "commit needs a run: open the store with ckstore.open(location, run='NAME') or pass run='NAME'"
+            )
+        return check_name("run", name)
+
+    def _parent_id(self, parent: str | int | None, run: str) -> int | None:
+        if parent is None:
+            return None
+        return self.resolve(parent).id
+
+    def _commit_prepared(
+        self,
+        run: str,
+        step: int,
+        entries: list[_commit.PreparedEntry],
+        specs: Mapping[tuple[int, str, str], Any],
+        layout: WorldLayout,
+        metrics: dict[str, float],
+        tags: tuple[str, ...],
+        kind: str,
+        replace: bool,
+        parent_id: int | None,
+        progress: Callable[[int, int], None] | None,
+    ) -> Checkpoint:
+        cfg = self.config
+        owner = Owner.me()
+        ckpt_id = self.catalog.begin_checkpoint(
+            run, step, kind=kind, replace=replace, owner=owner, world_layout=layout,
+            lease_seconds=cfg.lease_seconds, parent_checkpoint_id=parent_id,
+        )  # fmt: skip
+        try:
+            with _commit.Heartbeat(self.catalog, ckpt_id, owner, cfg.lease_seconds / 4), ThreadPoolExecutor(
+                self.workers, thread_name_prefix="ckstore-commit"
+            ) as pool:
+                staged = _commit.stage_and_hash(entries, specs, cfg.chunk_size, pool)
+                missing = self.catalog.claim_chunks(ckpt_id, owner, _commit.all_digests(staged))
+                added: list[int] = []
+                on_open, on_close = _commit.catalog_pack_callbacks(self.catalog, ckpt_id, owner, added)
+                writer = _commit.PackWriter(self.blobs, cfg.pack_size, on_open, on_close)
+                total = sum(
+                    st.chunk(i, cfg.chunk_size).nbytes
+                    for st in staged
+                    for i, d in enumerate(st.digests)
+                    if d in missing
+                )
+                done = [0]
+
+                def tick(n: int) -> None:
+                    done[0] += n
+                    if progress is not None:
+                        progress(done[0], total)
+
+                _commit.write_missing(
+                    staged, missing, writer, pool, chunk_size=cfg.chunk_size,
+                    level=cfg.compression_level, window=2 * self.workers, progress=tick,
+                )  # fmt: skip
+                manifests = _commit.build_manifests(entries, staged, cfg.chunk_size)
+            return self.catalog.finish_checkpoint(
+                ckpt_id, owner, entries=manifests, metrics=metrics, tags=tags,
+                logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=sum(added), replace=replace,
+            )  # fmt: skip
+        except BaseException:
+            try:
+                self.catalog.abort_checkpoint(ckpt_id, owner)
+            except Exception:  # noqa: BLE001 - the original error matters more; gc cleans up later
+                pass
+            raise
+
+    # -- checkout -------------------------------------------------------------------------------
+    def checkout(
+        self,
+        ref: str | int = "latest",
+        world_layout: WorldLayout | None = None,
+        *,
+        ranks: Iterable[int] | None = None,
+        sub_keys: Iterable[str] | None = None,
+        allow_pickle: bool = False,
+        fallback: str | None = None,
+        run: str | None = None,
+        process_group: Any = None,
+    ) -> dict[int, dict[str, Any]]:
+        """Load a checkpoint as ``{rank: {sub_key: state_dict}}``, bit-exact.
+
+        With no ``world_layout`` every saved rank gets back what it saved. With one, sharded
+        tensors are cut for that layout (``WorldLayout.single()`` consolidates full tensors).
+        Inside an initialized ``torch.distributed`` job each rank gets only its own states.
+        """
+        from .integrations import distributed as _dist
+
+        ckpt = self.resolve(ref, run=run)
+        group = _dist.active_group(process_group)
+        if group is not None and ranks is None:
+            ranks = [_dist.group_rank(group)]
+        return self.load(ckpt, world_layout, ranks=ranks, sub_keys=sub_keys, allow_pickle=allow_pickle, fallback=fallback)
+
+    def manifests(self, ckpt: Checkpoint, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None) -> dict[tuple[int, str], Manifest]:
+        return {
+            (r, k): Manifest.from_bytes(m)
+            for r, k, m in self.catalog.entries(ckpt.id, ranks=ranks, sub_keys=sub_keys)
+        }
+
+    def load(
+        self,
+        ckpt: Checkpoint,
+        world_layout: WorldLayout | None = None,
+        *,
+        ranks: Iterable[int] | None = None,
+        sub_keys: Iterable[str] | None = None,
+        allow_pickle: bool = False,
+        fallback: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[int, dict[str, Any]]:
+        """Check out an already resolved checkpoint (see :meth:`checkout`)."""
+        rank_list = None if ranks is None else sorted(set(ranks))
+        target = None if world_layout is None or world_layout == ckpt.world_layout else world_layout
+        if sub_keys is not None:
+            sub_keys = list(sub_keys)
+            unknown = set(sub_keys) - set(ckpt.sub_keys)
+            if unknown:
+                raise CheckpointNotFoundError(
+                    f"run {ckpt.run!r}, step {ckpt.step} has no sub-checkpoint {sorted(unknown)}; it has {list(ckpt.sub_keys)}"
+                )
+        if target is None and rank_list is not None:
+            unknown_ranks = set(rank_list) - set(ckpt.ranks)
+            if unknown_ranks:
+                raise CheckpointNotFoundError(
+                    f"run {ckpt.run!r}, step {ckpt.step} was saved by ranks {list(ckpt.ranks)}, not {sorted(unknown_ranks)}"
+                )
+        # a plain checkout reads only the ranks asked for; resharding needs every rank's manifest
+        mans = self.manifests(ckpt, ranks=rank_list if target is None else None, sub_keys=sub_keys)
+        sizes = {t.dtype: itemsize(dtype_from_name(t.dtype)) for m in mans.values() for t in m.tensors}
+        plan = plan_checkout(mans, ckpt.world_layout, target, rank_list, sizes, fallback=fallback)
+        where = f"run {ckpt.run!r}, step {ckpt.step}"
+        total = plan.bytes_to_fill
+        done = [0]
+
+        def tick(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+        tensors = execute_plan(plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers, progress=tick)
+        out: dict[int, dict[str, Any]] = {}
+        for entry in plan.entries:
+            bufs = entry.buffers
+            out.setdefault(entry.rank, {})[entry.sub_key] = unflatten(
+                entry.tree, lambda i, bufs=bufs: tensors[bufs[i]], allow_pickle=allow_pickle,
+                where=f"{where}, {entry.source}, ",
+            )  # fmt: skip
+        return out
+
+    # -- catalog views ----------------------------------------------------------------------------
+    def resolve(self, ref: str | int = "latest", *, run: str | None = None) -> Checkpoint:
+        """The committed checkpoint a ref names (see :mod:`ckstore.refs`)."""
+        return self.catalog.resolve(parse_ref(ref), default_run=run or self.run)
+
+    def checkpoints(self, run: str | None = None) -> list[Checkpoint]:
+        return self.catalog.checkpoints(run)
+
+    def runs(self) -> list[RunInfo]:
+        return self.catalog.runs()
+
+    def tag(self, ref: str | int, name: str, *, move: bool = False) -> Checkpoint:
+        ckpt = self.resolve(ref)
+        self.catalog.tag(ckpt, name, move=move)
+        return self.catalog.get(ckpt.id)
+
+    def untag(self, name: str, *, run: str | None = None) -> None:
+        run_name = run or self.run
+        if run_name is None:
+            ckpt = self.resolve(name)
+            run_name = ckpt.run
+        self.catalog.untag(run_name, name)
+
+
+def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str) or not k or len(k) > 255:
+            raise StoreConfigError(f"metric names must be non-empty strings, got {k!r}")
+        if hasattr(v, "item") and callable(v.item):
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise StoreConfigError(f"metric {k!r} must be a number, got {type(v).__name__} {v!r}")
+        out[k] = float(v)
+    return out
+
+
+
+
+def _read_config(blobs: BlobStore) -> StoreConfig | None:
+    try:
+        data = blobs.read(CONFIG_KEY)
+    except BlobNotFoundError:
+        return None
+    return StoreConfig.from_bytes(data, blobs.url)
+
+
+def _catalog_url(location: str, blobs: BlobStore, config: StoreConfig, catalog: str | None) -> str:
+    if catalog:
+        return expand(catalog)
+    if config.catalog:
+        return expand(config.catalog)
+    if not blobs.is_local:
+        raise StoreConfigError(
+            f"store {location} has no catalog URL recorded; an object-store location needs a shared "
+            f"catalog, e.g. `ckstore init {location} --catalog postgresql+psycopg://HOST/DB`"
+        )
+    return f"sqlite:///{os.path.join(getattr(blobs, 'root'), 'catalog.db')}"
+
+
+def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
+    location: str | os.PathLike[str],
+    *,
+    catalog: str | None = None,
+    run: str | None = None,
+    create: bool = True,
+    workers: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **settings: Any,
+) -> Store:
+    """Open (or create) the store at ``location``: a local path or any fsspec URL.
+
+    ``catalog`` is an SQLAlchemy URL; a local store defaults to SQLite inside its folder, and a
+    store remembers the catalog it was created with. ``settings`` (``chunk_size``,
+    ``pack_size``, ``compression_level``, ``lease_seconds``) apply when the store is created.
+    """
+    loc = os.fspath(location)
+    blobs = open_blobstore(loc, **dict(storage_options or {}))
+    config = _read_config(blobs)
+    if config is None:
+        if not create:
+            raise StoreConfigError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
+        if catalog:
+            check_no_secret(catalog)
+        if not blobs.is_local and not catalog:
+            raise StoreConfigError(
+                f"an object-store location needs a shared catalog: ckstore.open({loc!r}, "
+                "catalog='postgresql+psycopg://HOST/DB')"
+            )
+        config = StoreConfig.new(catalog=catalog, **settings)
+        blobs.put(CONFIG_KEY, config.to_bytes())
+    else:
+        changed = {k: v for k, v in settings.items() if v is not None and getattr(config, k, v) != v}
+        if changed:
+            raise StoreConfigError(
+                f"store {loc} was created with {', '.join(f'{k}={getattr(config, k)!r}' for k in changed)}; "
+                "these settings are fixed when a store is created"
+            )
+    url = _catalog_url(loc, blobs, config, catalog)
+    hint = f"ckstore --store {loc} db upgrade"
+    return Store(loc, blobs, Catalog(url, upgrade_hint=hint), config, run=run, workers=workers)
+
+
+def init(location: str | os.PathLike[str], *, catalog: str | None = None, **settings: Any) -> Store:
+    """Create a store (an error if one exists at ``location``)."""
+    loc = os.fspath(location)
+    if _read_config(open_blobstore(loc)) is not None:
+        from .errors import AlreadyExistsError
+
+        raise AlreadyExistsError(f"a ckstore store already exists at {loc}")
+    return open(loc, catalog=catalog, **settings)
+
+

@@ -1,0 +1,273 @@
+"""Tensors to raw bytes and back, and state trees to manifests' encoded trees.
+
+This is the one core module that imports torch. Tensor bytes are handed out as zero-copy
+memoryviews of the tensor's own storage (a non-contiguous tensor or one on an accelerator is
+first staged into one contiguous CPU tensor).
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import IntegrityError, UnsupportedValueError
+from .layout import Shard
+
+__all__ = [
+    "Leaf",
+    "flatten",
+    "unflatten",
+    "dtype_name",
+    "dtype_from_name",
+    "itemsize",
+    "raw_bytes",
+    "empty_tensor",
+    "byte_view",
+    "format_path",
+]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise IntegrityError(f"dtype {name!r} is not known to this torch ({torch.__version__})")
+    return dt
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return int(torch.empty((), dtype=dtype).element_size())
+
+
+def _check_storable(t: torch.Tensor, where: str) -> None:
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(
+            f"{where}: tensors of layout {t.layout} cannot be stored; convert with .to_dense() first"
+        )
+    if t.is_quantized:
+        raise UnsupportedValueError(f"{where}: quantized tensors cannot be stored; dequantize first")
+    if t.device.type == "meta":
+        raise UnsupportedValueError(f"{where}: a meta tensor has no data to store")
+    if getattr(t, "is_nested", False):
+        raise UnsupportedValueError(f"{where}: nested tensors cannot be stored")
+
+
+def raw_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+    """A contiguous CPU tensor with ``t``'s values and a memoryview of its raw bytes.
+
+    No copy is made when ``t`` is already a contiguous CPU tensor. Keep the returned tensor
+    alive as long as the memoryview is used.
+    """
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return t, memoryview(b"")
+    u8 = t.reshape(-1).view(torch.uint8)
+    return t, memoryview(u8.numpy()).cast("B")
+
+
+def empty_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """A writable uint8 numpy view of a contiguous CPU tensor's bytes."""
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclass(slots=True)
+class Leaf:
+    """A tensor found while flattening: its key path and, for a shard, its declaration."""
+
+    keys: tuple[Any, ...]
+    tensor: torch.Tensor
+    shard: Shard | None
+
+
+def format_path(keys: tuple[Any, ...]) -> str:
+    """A key path as users read it: ``state/0/exp_avg``."""
+    return "/".join(str(k) for k in keys) if keys else "<root>"
+
+
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+def _encode_scalar(x: Any) -> list[Any] | None:
+    if x is None:
+        return ["n"]
+    if isinstance(x, bool):
+        return ["b", x]
+    if isinstance(x, int):
+        return ["i", int(x)]
+    if isinstance(x, float):
+        return ["f", repr(float(x))]
+    if isinstance(x, str):
+        return ["s", str(x)]
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return ["y", base64.b64encode(bytes(x)).decode()]
+    return None
+
+
+def flatten(
+    obj: Any,
+    *,
+    allow_pickle: bool = False,
+    tensor_hook: Callable[[Any], Leaf | None] | None = None,
+    where: str = "",
+) -> tuple[Any, list[Leaf]]:
+    """Encode a state tree; returns the tree and its tensors in depth-first order.
+
+    ``tensor_hook`` lets integrations turn foreign leaves (a DTensor, say) into a :class:`Leaf`.
+    Values ckstore cannot store raise :class:`UnsupportedValueError` naming their key path,
+    unless ``allow_pickle`` is set, in which case they are pickled.
+    """
+    leaves: list[Leaf] = []
+    active: set[int] = set()
+
+    def at(keys: tuple[Any, ...]) -> str:
+        return f"{where}key {format_path(keys)!r}" if where else f"key {format_path(keys)!r}"
+
+    def walk(x: Any, keys: tuple[Any, ...]) -> Any:
+        if tensor_hook is not None:
+            hooked = tensor_hook(x)
+            if hooked is not None:
+                hooked.keys = keys
+                _check_storable(hooked.tensor, at(keys))
+                leaves.append(hooked)
+                return ["T", len(leaves) - 1]
+        if isinstance(x, Shard):
+            if not isinstance(x.tensor, torch.Tensor):
+                raise UnsupportedValueError(f"{at(keys)}: Shard must wrap a torch.Tensor")
+            _check_storable(x.tensor, at(keys))
+            leaves.append(Leaf(keys, x.tensor, x))
+            return ["T", len(leaves) - 1]
+        if isinstance(x, torch.Tensor):
+            _check_storable(x, at(keys))
+            leaves.append(Leaf(keys, x, None))
+            return ["T", len(leaves) - 1]
+        enc = _encode_scalar(x)
+        if enc is not None:
+            return enc
+        if isinstance(x, (dict, list, tuple)) and (type(x) in (dict, list, tuple) or _plain_subclass(x)):
+            if id(x) in active:
+                raise UnsupportedValueError(f"{at(keys)}: the state tree contains a reference cycle")
+            active.add(id(x))
+            try:
+                if isinstance(x, dict):
+                    items = []
+                    for k, v in x.items():
+                        if not isinstance(k, _KEY_TYPES):
+                            raise UnsupportedValueError(
+                                f"{at(keys)}: dict key {k!r} of type {type(k).__name__} is not "
+                                "supported (use str, int, float, bool or None keys)"
+                            )
+                        items.append([_encode_scalar(k), walk(v, (*keys, k))])
+                    return ["d", items]
+                tag = "l" if isinstance(x, list) else "t"
+                return [tag, [walk(v, (*keys, i)) for i, v in enumerate(x)]]
+            finally:
+                active.discard(id(x))
+        if allow_pickle:
+            try:
+                return ["P", base64.b64encode(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)).decode()]
+            except Exception as e:  # noqa: BLE001 - any pickling failure is the user's value
+                raise UnsupportedValueError(f"{at(keys)}: value of type {type(x).__name__} cannot be pickled: {e}") from e
+        raise UnsupportedValueError(
+            f"{at(keys)}: value of type {type(x).__module__}.{type(x).__qualname__} is not a tensor "
+            "or plain value (None, bool, int, float, str, bytes, list, tuple, dict). Convert it, or "
+            "pass allow_pickle=True to commit to store it pickled (checkout then needs "
+            "allow_pickle=True too)"
+        )
+
+    return walk(obj, ()), leaves
+
+
+def _plain_subclass(x: Any) -> bool:
+    # OrderedDict, defaultdict, torch.Size and named tuples are stored as plain dict/tuple.
+    import collections
+
+    return isinstance(x, (collections.OrderedDict, collections.defaultdict, torch.Size)) or (
+        isinstance(x, tuple) and hasattr(x, "_fields")
+    )
+
+
+def _decode_scalar(node: list[Any]) -> Any:
+    tag = node[0]
+    if tag == "n":
+        return None
+    if tag == "b":
+        return bool(node[1])
+    if tag == "i":
+        return int(node[1])
+    if tag == "f":
+        return float(node[1])
+    if tag == "s":
+        return str(node[1])
+    if tag == "y":
+        return base64.b64decode(node[1])
+    raise IntegrityError(f"unknown manifest node {tag!r}")
+
+
+def unflatten(
+    tree: Any,
+    tensor_at: Callable[[int], Any],
+    *,
+    allow_pickle: bool = False,
+    where: str = "",
+) -> Any:
+    """Rebuild a state tree, fetching tensor ``i`` from ``tensor_at(i)``."""
+
+    def walk(node: Any, keys: tuple[Any, ...]) -> Any:
+        tag = node[0]
+        if tag == "T":
+            return tensor_at(int(node[1]))
+        if tag == "d":
+            return {_decode_scalar(k): walk(v, (*keys, _decode_scalar(k))) for k, v in node[1]}
+        if tag == "l":
+            return [walk(v, (*keys, i)) for i, v in enumerate(node[1])]
+        if tag == "t":
+            return tuple(walk(v, (*keys, i)) for i, v in enumerate(node[1]))
+        if tag == "P":
+            if not allow_pickle:
+                raise UnsupportedValueError(
+                    f"{where}key {format_path(keys)!r} holds a pickled object; pickles can run code, "
+                    "so checkout refuses them unless you pass allow_pickle=True"
+                )
+            return pickle.loads(base64.b64decode(node[1]))  # noqa: S301 - explicit opt-in
+        return _decode_scalar(node)
+
+    return walk(tree, ())
+
+
+def iter_tensor_paths(tree: Any) -> dict[int, tuple[Any, ...]]:
+    """Map each tensor index in an encoded tree to its key path."""
+    out: dict[int, tuple[Any, ...]] = {}
+
+    def walk(node: Any, keys: tuple[Any, ...]) -> None:
+        tag = node[0]
+        if tag == "T":
+            out[int(node[1])] = keys
+        elif tag == "d":
+            for k, v in node[1]:
+                walk(v, (*keys, _decode_scalar(k)))
+        elif tag in ("l", "t"):
+            for i, v in enumerate(node[1]):
+                walk(v, (*keys, i))
+
+    walk(tree, ())
+    return out
