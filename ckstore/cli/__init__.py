@@ -1,0 +1,40 @@
+"""The ``ckstore`` command line: parse, call the library, render.
+
+Every command here is a thin layer over the Python API; see ``ckstore --help``.
+"""
+
+from __future__ import annotations
+
+import click
+
+from ._common import Ctx
+
+__all__ = ["main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--store",
+    "-s",
+    envvar="CKSTORE_STORE",
+    metavar="LOCATION",
+    help="Store location: a folder or fsspec URL (env: CKSTORE_STORE).",
+)
+@click.option("--catalog", envvar="CKSTORE_CATALOG", metavar="URL", help="Catalog URL, when not the one the store records.")
+@click.option("--run", "-r", envvar="CKSTORE_RUN", metavar="RUN", help="Default run for refs that name none.")
+@click.version_option(package_name="ckstore")
+@click.pass_context
+def main(ctx: click.Context, store: str | None, catalog: str | None, run: str | None) -> None:
+    """ckstore: a content-addressed checkpoint store for PyTorch training."""
+    ctx.obj = Ctx(store, catalog, run)
+
+
+def _register() -> None:
+    from . import _core, _demo
+
+    for mod in (_core, _demo):
+        for cmd in mod.COMMANDS:
+            main.add_command(cmd)
+
+
+_register()
