@@ -1,0 +1,74 @@
+"""The command line, end to end through click's runner and a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+import ckstore
+from ckstore.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return res.exit_code, res.output
+
+
+def test_init_log_show_tag(tmp_path: Path) -> None:
+    loc = str(tmp_path / "s")
+    code, out = _run("init", loc, "--chunk-size", "65536")
+    assert code == 0 and "created store" in out
+    code, out = _run("init", loc)
+    assert code == 2 and "already exists" in out
+    s = ckstore.open(loc, run="exp")
+    s.commit(10, {0: {"model_states": {"layer.weight": torch.randn(4, 4)}}}, {"val_loss": 0.5}, tags=["first"])
+    s.commit(20, {0: {"model_states": {"layer.weight": torch.randn(4, 4)}}}, {"val_loss": 0.25}, kind="epoch")
+
+    code, out = _run("--store", loc, "runs")
+    assert code == 0 and "exp" in out
+    code, out = _run("--store", loc, "log", "exp")
+    assert code == 0 and "val_loss" in out and "first" in out and "epoch" in out
+    code, out = _run("--store", loc, "log", "--json")
+    rows = json.loads(out)
+    assert [r["step"] for r in rows] == [10, 20] and rows[1]["metrics"] == {"val_loss": 0.25}
+    code, out = _run("--store", loc, "show", "exp@min:val_loss")
+    assert code == 0 and "layer.weight" in out and "float32 [4, 4]" in out
+    code, out = _run("--store", loc, "show", "--json", "first")
+    assert json.loads(out)["checkpoint"]["step"] == 10
+    code, out = _run("--store", loc, "tag", "exp@20", "best")
+    assert code == 0 and "tagged exp@20 as best" in out
+    code, out = _run("--store", loc, "untag", "exp@best")
+    assert code == 0
+    code, out = _run("--store", loc, "show", "nosuchtag")
+    assert code == 2 and "CheckpointNotFoundError" in out
+
+
+def test_store_from_environment_and_missing_store(tmp_path: Path) -> None:
+    loc = str(tmp_path / "s")
+    ckstore.open(loc, run="e").commit(1, {0: {"m": {"w": torch.ones(1)}}})
+    res = CliRunner().invoke(main, ["log"], env={"CKSTORE_STORE": loc})
+    assert res.exit_code == 0 and "e" in res.output
+    res = CliRunner().invoke(main, ["log"])
+    assert res.exit_code == 2 and "--store" in res.output
+    res = CliRunner().invoke(main, ["--store", str(tmp_path / "none"), "log"])
+    assert res.exit_code == 2 and "no ckstore store" in res.output
+
+
+def test_python_dash_m_and_demo(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckstore", "demo", "--steps", "30", "--commit-every", "10", "--run", "t"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "resumed 10 steps from step" in proc.stdout
+    s = ckstore.open(tmp_path / "ckstore-demo")
+    assert [c.step for c in s.checkpoints("t")] == [10, 20, 30]

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ckstore import codec
+from ckstore.errors import IntegrityError
+from helpers import ALL_DTYPES, random_tensor
+
+
+def _roundtrip(raw: np.ndarray, itemsize: int) -> codec.Frame:
+    frame = codec.encode(memoryview(raw), itemsize)
+    blob = b"".join(bytes(p) for p in frame.parts)
+    assert len(blob) == frame.length
+    out = np.empty(raw.nbytes, dtype=np.uint8)
+    codec.decode_into(blob, memoryview(out))
+    assert out.tobytes() == raw.tobytes()
+    return frame
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_roundtrip_random_bits(dtype: torch.dtype) -> None:
+    t = random_tensor(dtype, (1000,))
+    _roundtrip(t.reshape(-1).view(torch.uint8).numpy(), t.element_size())
+
+
+def test_float_weights_are_byte_grouped_and_shrink() -> None:
+    t = torch.randn(64 * 1024)
+    frame = _roundtrip(t.view(torch.uint8).numpy(), 4)
+    assert frame.codec == codec.CODEC_PLANES
+    assert frame.length < 0.9 * t.numel() * 4
+
+
+def test_bf16_shrinks_more() -> None:
+    t = torch.randn(64 * 1024).to(torch.bfloat16)
+    frame = _roundtrip(t.view(torch.uint8).numpy(), 2)
+    assert frame.length < 0.75 * t.numel() * 2
+
+
+def test_incompressible_bytes_are_stored_raw_without_copy() -> None:
+    raw = np.frombuffer(np.random.default_rng(0).bytes(100_000), dtype=np.uint8)
+    frame = codec.encode(memoryview(raw), 1)
+    assert frame.codec == codec.CODEC_RAW
+    assert frame.length == codec.HEADER_SIZE + raw.nbytes
+    assert np.shares_memory(np.frombuffer(frame.parts[1], dtype=np.uint8), raw)
+
+
+def test_zeros_compress_to_almost_nothing() -> None:
+    raw = np.zeros(1 << 20, dtype=np.uint8)
+    frame = _roundtrip(raw, 4)
+    assert frame.length < 1000
+
+
+def test_odd_lengths_and_tiny_chunks() -> None:
+    for n in (0, 1, 3, 7, 9):
+        _roundtrip(np.arange(n, dtype=np.uint8), 4)
+
+
+def test_truncated_and_garbage_frames_raise() -> None:
+    t = torch.randn(4096)
+    frame = codec.encode(memoryview(t.view(torch.uint8).numpy()), 4)
+    blob = b"".join(bytes(p) for p in frame.parts)
+    out = memoryview(np.empty(t.numel() * 4, dtype=np.uint8))
+    with pytest.raises(IntegrityError):
+        codec.decode_into(blob[:-10], out)
+    with pytest.raises(IntegrityError):
+        codec.decode_into(b"\x09" + blob[1:], out)
+    with pytest.raises(IntegrityError):
+        codec.decode_into(blob[:4], out)
+    with pytest.raises(IntegrityError):
+        codec.decode_into(blob, memoryview(np.empty(10, dtype=np.uint8)))
