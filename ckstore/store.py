@@ -26,7 +26,9 @@ RankStates = Mapping[int, Mapping[str, Any]]
 
 
 def _default_workers() -> int:
-    return max(2, min(8, (os.cpu_count() or 2)))
+    # threads for hashing, zstd and reads: all release the GIL, and reads wait on the disk or
+    # network, so a few more threads than cores keep both busy
+    return max(4, min(16, 2 * (os.cpu_count() or 2)))
 
 
 class Store:
