@@ -156,10 +156,10 @@ def _deliver(
     else:
         decoded = np.empty(raw_size, dtype=np.uint8)
     try:
-        codec.decode_into(frame, memoryview(decoded))
+        codec.decode_into(frame, decoded.data)
     except IntegrityError as e:
         raise IntegrityError(f"{where}, {copies[0].source}: chunk {digest.hex()} is corrupt: {e}") from e
-    if hashing.digest(memoryview(decoded)) != digest:
+    if hashing.digest(decoded.data) != digest:
         raise IntegrityError(
             f"{where}, {copies[0].source}: chunk {digest.hex()} does not match its digest; the stored "
             "bytes are corrupt (run `ckstore fsck --deep`)"

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
@@ -160,7 +160,7 @@ class BlobStore(ABC):
     def _read(self, key: str, start: int, end: int | None) -> bytes: ...
 
     @abstractmethod
-    def _delete(self, keys: list[str]) -> None: ...
+    def _delete(self, keys: Sequence[str]) -> None: ...
 
     @abstractmethod
     def _list(self, prefix: str) -> Iterator[BlobInfo]: ...
@@ -199,7 +199,7 @@ class LocalBlobStore(BlobStore):
         tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
         f = open(tmp, "wb", buffering=0)
         try:
-            yield f  # type: ignore[misc]
+            yield f
             if self.fsync:
                 os.fdatasync(f.fileno())
             f.close()
@@ -239,7 +239,7 @@ class LocalBlobStore(BlobStore):
             )
         return data
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             try:
                 os.unlink(self._path(key))
@@ -375,7 +375,7 @@ class FsspecBlobStore(BlobStore):
             )
         return data
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, keys: Sequence[str]) -> None:
         paths = [self._path(k) for k in keys]
         for i in range(0, len(paths), 1000):
             batch = paths[i : i + 1000]

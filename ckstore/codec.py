@@ -69,7 +69,7 @@ class Frame:
 def _shrinks(sample: np.ndarray, level: int) -> bool:
     if sample.nbytes == 0:
         return False
-    return len(_compressor(level).compress(sample)) < _SHRINK_ENOUGH * sample.nbytes
+    return len(_compressor(level).compress(sample.data)) < _SHRINK_ENOUGH * sample.nbytes
 
 
 def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
@@ -78,7 +78,7 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
     a = np.frombuffer(raw, dtype=np.uint8)
     if itemsize <= 1 or n % itemsize or n < 2 * itemsize:
         if _shrinks(a[:_SAMPLE_BYTES], level):
-            comp = _compressor(level).compress(a)
+            comp = _compressor(level).compress(a.data)
             if len(comp) < n:
                 return Frame(CODEC_ZSTD, (_HEADER.pack(CODEC_ZSTD, 1, 0, n), comp), HEADER_SIZE + len(comp))
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
@@ -95,12 +95,12 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
     for j in range(itemsize):
         plane = np.ascontiguousarray(a[j::itemsize])
         if mask >> j & 1:
-            comp = _compressor(level).compress(plane)
+            comp = _compressor(level).compress(plane.data)
             if len(comp) < plane.nbytes:
                 planes.append(comp)
                 continue
             mask &= ~(1 << j)
-        planes.append(memoryview(plane))
+        planes.append(plane.data)
     if not mask:
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
     lengths = struct.pack(f"<{itemsize}I", *(memoryview(p).nbytes for p in planes))

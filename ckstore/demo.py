@@ -52,7 +52,8 @@ class CharModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.rnn(self.embed(x))
-        return self.head(h)
+        out: torch.Tensor = self.head(h)
+        return out
 
 
 class Trainer:
@@ -84,7 +85,7 @@ class Trainer:
         x, y = self.batch(self.train_data, self.gen)
         loss = nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.sched.step()
@@ -130,10 +131,10 @@ def train(
     for _ in range(steps):
         losses.append(trainer.train_step())
         if trainer.step % commit_every == 0:
-            metrics = {
+            metrics: dict[str, float] = {
                 "train_loss": sum(losses) / len(losses),
                 "val_loss": trainer.val_loss(),
-                "lr": trainer.sched.get_last_lr()[0],
+                "lr": float(trainer.sched.get_last_lr()[0]),
             }
             losses.clear()
             log(

@@ -15,6 +15,7 @@ from .config import CONFIG_KEY, StoreConfig, check_no_secret, expand
 from .errors import CheckpointNotFoundError, StoreConfigError
 from .layout import WorldLayout
 from .manifest import Manifest
+from .pack import PackWriter
 from .records import Checkpoint, RunInfo
 from .refs import check_name, parse_ref
 from .reshard import plan_checkout
@@ -102,11 +103,12 @@ class Store:
 
         group = _dist.active_group(process_group)
         if group is not None:
-            return _dist.commit_collective(
+            record: Checkpoint = _dist.commit_collective(
                 self, group, step, rank_states, clean_metrics,
                 tags=tuple(tags), kind=kind, run=run_name, replace=replace, world_layout=world_layout,
                 allow_pickle=allow_pickle, parent=parent,
             )  # fmt: skip
+            return record
         entries = _commit.prepare_entries(rank_states, allow_pickle=allow_pickle)
         layout = world_layout or WorldLayout.flat(max(e.rank for e in entries) + 1)
         for e in entries:
@@ -158,7 +160,7 @@ class Store:
                 missing = self.catalog.claim_chunks(ckpt_id, owner, _commit.all_digests(staged))
                 added: list[int] = []
                 on_open, on_close = _commit.catalog_pack_callbacks(self.catalog, ckpt_id, owner, added)
-                writer = _commit.PackWriter(self.blobs, cfg.pack_size, on_open, on_close)
+                writer = PackWriter(self.blobs, cfg.pack_size, on_open, on_close)
                 total = sum(
                     st.chunk(i, cfg.chunk_size).nbytes
                     for st in staged
@@ -265,8 +267,11 @@ class Store:
         out: dict[int, dict[str, Any]] = {}
         for entry in plan.entries:
             bufs = entry.buffers
+            def tensor_at(i: int, bufs: tuple[int, ...] = bufs) -> Any:
+                return tensors[bufs[i]]
+
             out.setdefault(entry.rank, {})[entry.sub_key] = unflatten(
-                entry.tree, lambda i, bufs=bufs: tensors[bufs[i]], allow_pickle=allow_pickle,
+                entry.tree, tensor_at, allow_pickle=allow_pickle,
                 where=f"{where}, {entry.source}, ",
             )  # fmt: skip
         return out

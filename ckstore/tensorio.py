@@ -76,7 +76,7 @@ def raw_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     if t.numel() == 0:
         return t, memoryview(b"")
     u8 = t.reshape(-1).view(torch.uint8)
-    return t, memoryview(u8.numpy()).cast("B")
+    return t, u8.numpy().data.cast("B")
 
 
 def empty_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -44,6 +44,7 @@ from ..refs import Ref, check_name
 from ._engine import check_schema, make_engine, redact, upgrade_schema, write_txn
 from ._schema import (
     COMMITTED,
+    Base,
     PENDING,
     CheckpointRow,
     Chunk,
@@ -60,15 +61,16 @@ __all__ = ["Catalog", "ChunkLocation", "NewChunk", "Owner", "utcnow"]
 
 _BATCH = 500
 
-C = CheckpointRow.__table__
-E = Entry.__table__
-P = Pack.__table__
-K = Chunk.__table__
-R = ChunkRef.__table__
-M = Metric.__table__
-T = Tag.__table__
-RUNS = Run.__table__
-TRASH = Trash.__table__
+_TABLES = Base.metadata.tables
+C = _TABLES[CheckpointRow.__tablename__]
+E = _TABLES[Entry.__tablename__]
+P = _TABLES[Pack.__tablename__]
+K = _TABLES[Chunk.__tablename__]
+R = _TABLES[ChunkRef.__tablename__]
+M = _TABLES[Metric.__tablename__]
+T = _TABLES[Tag.__tablename__]
+RUNS = _TABLES[Run.__tablename__]
+TRASH = _TABLES[Trash.__tablename__]
 
 
 def utcnow() -> datetime:
@@ -194,12 +196,14 @@ class Catalog:
 
     def _insert(self, table: Any) -> Any:
         if self.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        elif self.dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert
-        else:  # pragma: no cover - only SQLite and PostgreSQL are supported
-            raise CatalogError(f"catalog dialect {self.dialect} is not supported")
-        return insert(table)
+            from sqlalchemy.dialects import postgresql
+
+            return postgresql.insert(table)
+        if self.dialect == "sqlite":
+            from sqlalchemy.dialects import sqlite
+
+            return sqlite.insert(table)
+        raise CatalogError(f"catalog dialect {self.dialect} is not supported; use SQLite or PostgreSQL")
 
     # -- runs -----------------------------------------------------------------------------
     def _run_id(self, conn: Connection, name: str, *, create: bool = False) -> int:
@@ -338,7 +342,7 @@ class Catalog:
                             parent_checkpoint_id=parent_checkpoint_id,
                         )
                     )
-                    return int(res.inserted_primary_key[0])
+                    return int(res.inserted_primary_key[0])  # type: ignore[index]
             except sa_exc.IntegrityError:
                 if attempt == 2:
                     raise
@@ -386,7 +390,7 @@ class Catalog:
         with self._write(lock="shared") as conn:
             self._own_pending(conn, ckpt_id, owner)
             res = conn.execute(P.insert().values(key=key, size=0, created_at=utcnow(), owner_checkpoint_id=ckpt_id))
-            return int(res.inserted_primary_key[0])
+            return int(res.inserted_primary_key[0])  # type: ignore[index]
 
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
