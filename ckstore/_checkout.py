@@ -68,10 +68,13 @@ def execute_plan(
     where: str,
     workers: int,
     progress: Callable[[int], None] | None = None,
+    pin_memory: bool = False,
 ) -> list[torch.Tensor | None]:
     """Fill every buffer of ``plan``; returns the target tensors by buffer index (staging: None).
 
-    ``where`` names the checkpoint ("run 'exp1', step 100") in error messages.
+    ``where`` names the checkpoint ("run 'exp1', step 100") in error messages. With
+    ``pin_memory`` target tensors are allocated in pinned memory, ready for asynchronous copies
+    to an accelerator.
     """
     digests = list(dict.fromkeys(c.digest for c in plan.copies))
     locs = locate(digests)
@@ -84,7 +87,7 @@ def execute_plan(
     tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
     for i, buf in enumerate(plan.buffers):
         if not buf.staging:
-            tensors[i] = empty_tensor(dtype_from_name(buf.dtype), buf.shape)
+            tensors[i] = empty_tensor(dtype_from_name(buf.dtype), buf.shape, pin_memory=pin_memory)
     views: dict[int, np.ndarray] = {i: byte_view(t) for i, t in enumerate(tensors) if t is not None}
 
     # one unit for everything landing in target tensors, one per staging buffer

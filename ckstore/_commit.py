@@ -18,7 +18,7 @@ from .layout import WorldLayout
 from .manifest import Manifest, ShardSpec, TensorRecord
 from .pack import PackedChunk, PackWriter
 from .reshard import PieceInfo, resolve_shards
-from .tensorio import Leaf, dtype_name, flatten, format_path, itemsize, raw_bytes
+from .tensorio import Leaf, dtype_name, flatten, format_path, itemsize, stage_tensors
 
 __all__ = [
     "PreparedEntry",
@@ -120,29 +120,20 @@ def stage_and_hash(
 ) -> list[StagedTensor]:
     """Stage every tensor's bytes (zero-copy where possible) and hash its chunks in parallel."""
     staged: list[StagedTensor] = []
-    for ei, e in enumerate(entries):
-        for li, leaf in enumerate(e.leaves):
-            t, data = raw_bytes(leaf.tensor)
-            path = format_path(leaf.keys)
-            staged.append(
-                StagedTensor(
-                    ei,
-                    li,
-                    path,
-                    dtype_name(t.dtype),
-                    tuple(int(x) for x in t.shape),
-                    itemsize(t.dtype),
-                    t,
-                    data,
-                    specs.get((e.rank, e.sub_key, path)),
-                )
-            )
+    order = [(ei, li) for ei, e in enumerate(entries) for li in range(len(e.leaves))]
+    host = stage_tensors([entries[ei].leaves[li].tensor for ei, li in order])
+    for (ei, li), (t, data) in zip(order, host):
+        e = entries[ei]
+        path = format_path(e.leaves[li].keys)
+        spec = specs.get((e.rank, e.sub_key, path))
+        shape = tuple(int(x) for x in t.shape)
+        staged.append(StagedTensor(ei, li, path, dtype_name(t.dtype), shape, itemsize(t.dtype), t, data, spec))
 
     def hash_all(st: StagedTensor) -> list[bytes]:
         n = st.data.nbytes
         return [hashing.digest(st.chunk(i, chunk_size)) for i in range(-(-n // chunk_size))]
 
-    # big tensors hash chunk by chunk on the pool; small ones are batched to keep overhead low
+    # one task per tensor: xxh3 releases the GIL, so tensors hash in parallel
     futures: list[tuple[StagedTensor, Future[list[bytes]]]] = [(st, pool.submit(hash_all, st)) for st in staged]
     for st, fut in futures:
         st.digests = fut.result()

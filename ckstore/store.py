@@ -19,7 +19,7 @@ from .pack import PackWriter
 from .records import Checkpoint, RunInfo
 from .refs import check_name, parse_ref
 from .reshard import plan_checkout
-from .tensorio import dtype_from_name, itemsize, unflatten
+from .tensorio import dtype_from_name, itemsize, to_device, unflatten
 
 __all__ = ["Store", "open", "init"]
 
@@ -202,12 +202,14 @@ class Store:
         fallback: str | None = None,
         run: str | None = None,
         process_group: Any = None,
+        device: Any = None,
     ) -> dict[int, dict[str, Any]]:
         """Load a checkpoint as ``{rank: {sub_key: state_dict}}``, bit-exact.
 
         With no ``world_layout`` every saved rank gets back what it saved. With one, sharded
         tensors are cut for that layout (``WorldLayout.single()`` consolidates full tensors).
         Inside an initialized ``torch.distributed`` job each rank gets only its own states.
+        Tensors come back on the CPU unless ``device`` names another (``"cuda"``, ``"cuda:1"``).
         """
         from .integrations import distributed as _dist
 
@@ -215,7 +217,10 @@ class Store:
         group = _dist.active_group(process_group)
         if group is not None and ranks is None:
             ranks = [_dist.group_rank(group)]
-        return self.load(ckpt, world_layout, ranks=ranks, sub_keys=sub_keys, allow_pickle=allow_pickle, fallback=fallback)
+        return self.load(
+            ckpt, world_layout, ranks=ranks, sub_keys=sub_keys, allow_pickle=allow_pickle, fallback=fallback,
+            device=device,
+        )  # fmt: skip
 
     def manifests(self, ckpt: Checkpoint, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None) -> dict[tuple[int, str], Manifest]:
         return {
@@ -233,8 +238,12 @@ class Store:
         allow_pickle: bool = False,
         fallback: str | None = None,
         progress: Callable[[int, int], None] | None = None,
+        device: Any = None,
     ) -> dict[int, dict[str, Any]]:
         """Check out an already resolved checkpoint (see :meth:`checkout`)."""
+        import torch
+
+        dev = torch.device(device) if device is not None else None
         rank_list = None if ranks is None else sorted(set(ranks))
         target = None if world_layout is None or world_layout == ckpt.world_layout else world_layout
         if sub_keys is not None:
@@ -263,7 +272,13 @@ class Store:
             if progress is not None:
                 progress(done[0], total)
 
-        tensors = execute_plan(plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers, progress=tick)
+        accel = dev if dev is not None and dev.type != "cpu" else None
+        tensors = execute_plan(
+            plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers, progress=tick,
+            pin_memory=accel is not None and accel.type == "cuda",
+        )  # fmt: skip
+        if accel is not None:
+            tensors = to_device(tensors, accel)
         out: dict[int, dict[str, Any]] = {}
         for entry in plan.entries:
             bufs = entry.buffers

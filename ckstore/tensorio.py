@@ -27,6 +27,8 @@ __all__ = [
     "dtype_from_name",
     "itemsize",
     "raw_bytes",
+    "stage_tensors",
+    "to_device",
     "empty_tensor",
     "byte_view",
     "format_path",
@@ -79,8 +81,42 @@ def raw_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     return t, u8.numpy().data.cast("B")
 
 
-def empty_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
+def stage_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, memoryview]]:
+    """:func:`raw_bytes` for many tensors, staging accelerator tensors efficiently.
+
+    CPU tensors are viewed in place. Tensors on a CUDA device are made contiguous there, then
+    copied into pinned host memory with asynchronous copies that overlap one another; the
+    device is synchronized once at the end rather than once per tensor.
+    """
+    host: list[torch.Tensor | tuple[torch.Tensor, memoryview]] = []
+    devices: set[torch.device] = set()
+    for t in tensors:
+        t = t.detach()
+        if t.device.type == "cpu":
+            host.append(raw_bytes(t))
+            continue
+        src = t.resolve_conj().resolve_neg().contiguous()
+        pinned = src.device.type == "cuda"
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
+        dst.copy_(src, non_blocking=pinned)
+        if pinned:
+            devices.add(src.device)
+        host.append(dst)
+    for dev in devices:
+        torch.cuda.current_stream(dev).synchronize()
+    return [h if isinstance(h, tuple) else raw_bytes(h) for h in host]
+
+
+def empty_tensor(dtype: torch.dtype, shape: tuple[int, ...], *, pin_memory: bool = False) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+
+
+def to_device(tensors: list[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
+    """Copy host tensors to ``device`` (asynchronously from pinned memory), then wait once."""
+    out = [None if t is None else t.to(device, non_blocking=t.is_pinned()) for t in tensors]
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return out
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
