@@ -1,0 +1,65 @@
+"""``ckstore import`` and ``ckstore export``: torch.save files, safetensors and DCP folders."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import Ctx, console, handle_errors, human_bytes, pass_ctx
+
+
+@click.command("import")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--step", type=int, required=True, help="Step number to record it as.")
+@click.option("--run", "run_name", help="Run to commit into (default: the --run of the store).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "torch", "safetensors", "dcp"]), default="auto", show_default=True)
+@click.option("--sub-key", default="model_states", show_default=True, help="Sub-checkpoint name for the file's contents.")
+@click.option("--split", is_flag=True, help="Make the file's top-level keys the sub-checkpoints.")
+@click.option("--metric", "metrics", multiple=True, metavar="NAME=VALUE", help="A metric to record (repeatable).")
+@click.option("--tag", "tags", multiple=True, help="A tag (repeatable).")
+@click.option("--allow-pickle", is_flag=True, help="Load and store Python objects in a torch.save file (runs its code).")
+@pass_ctx
+@handle_errors
+def import_(
+    obj: Ctx, path: str, step: int, run_name: str | None, fmt: str, sub_key: str, split: bool,
+    metrics: tuple[str, ...], tags: tuple[str, ...], allow_pickle: bool,
+) -> None:  # fmt: skip
+    """Commit a torch.save file, a .safetensors file or a DCP folder as a checkpoint."""
+    from ..integrations.files import import_checkpoint
+
+    values = {}
+    for m in metrics:
+        name, sep, value = m.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected NAME=VALUE, got {m!r}", param_hint="--metric")
+        try:
+            values[name] = float(value)
+        except ValueError as e:
+            raise click.BadParameter(f"{value!r} is not a number", param_hint="--metric") from e
+    store = obj.open(create=True)
+    ck = import_checkpoint(
+        store, path, step, fmt=fmt, run=run_name, sub_key=None if split else sub_key, metrics=values,
+        tags=tags, allow_pickle=allow_pickle,
+    )  # fmt: skip
+    console.print(
+        f"imported {path} as {ck.ref}: {human_bytes(ck.logical_bytes)} logical, {human_bytes(ck.stored_bytes_added)} new"
+    )
+
+
+@click.command()
+@click.argument("ref")
+@click.argument("path", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]), default="torch", show_default=True)
+@click.option("--rank", type=int, default=0, show_default=True, help="Rank to export (unsharded checkpoints).")
+@click.option("--sub-key", help="Export only this sub-checkpoint's state dict.")
+@click.option("--allow-pickle", is_flag=True, help="Unpickle Python objects stored with the checkpoint.")
+@pass_ctx
+@handle_errors
+def export(obj: Ctx, ref: str, path: str, fmt: str, rank: int, sub_key: str | None, allow_pickle: bool) -> None:
+    """Write checkpoint REF as a torch.save file, a .safetensors file or a DCP folder."""
+    from ..integrations.files import export_checkpoint
+
+    ck = export_checkpoint(obj.open(), ref, path, fmt=fmt, rank=rank, sub_key=sub_key, allow_pickle=allow_pickle)
+    console.print(f"exported {ck.ref} to {path} ({fmt})")
+
+
+COMMANDS = [import_, export]

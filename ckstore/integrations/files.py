@@ -1,0 +1,169 @@
+"""Import checkpoints written by other tools, and export ckstore checkpoints to them.
+
+Formats: ``torch`` (a ``torch.save`` file), ``safetensors`` (a ``.safetensors`` file) and ``dcp``
+(a PyTorch Distributed Checkpoint folder). Imports commit into a store like any other
+checkpoint, so re-importing the same weights stores nothing new; exports check out a checkpoint
+(consolidated to one rank when it was sharded) and write it in the chosen format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import StoreConfigError, UnsupportedValueError
+from ..layout import WorldLayout
+from ..records import Checkpoint
+
+__all__ = ["FORMATS", "detect_format", "read_checkpoint", "write_checkpoint", "import_checkpoint", "export_checkpoint"]
+
+FORMATS = ("torch", "safetensors", "dcp")
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    # a single-process DCP read or write is what the caller asked for; no need to warn
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def detect_format(path: str) -> str:
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            return "dcp"
+        raise StoreConfigError(f"{path} is a folder but not a Distributed Checkpoint (no .metadata file in it)")
+    if not os.path.isfile(path):
+        raise StoreConfigError(f"no file or folder at {path}")
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    return "torch"
+
+
+def read_checkpoint(path: str, fmt: str = "auto", *, allow_pickle: bool = False) -> Any:
+    """Load a checkpoint file or folder of another tool into memory (tensors on the CPU)."""
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt == "torch":
+        try:
+            return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+        except Exception as e:  # noqa: BLE001 - torch raises many kinds for unsafe or bad files
+            if not allow_pickle and "weights_only" in str(e):
+                raise UnsupportedValueError(
+                    f"{path} holds Python objects beyond tensors and plain values; loading them runs "
+                    "code from the file. If you trust it, pass allow_pickle=True (--allow-pickle)"
+                ) from e
+            raise StoreConfigError(f"cannot read {path} as a torch.save file: {e}") from e
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    if fmt == "dcp":
+        # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        sd: dict[str, Any] = {}
+        with _single_process():
+            _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        return sd
+    raise StoreConfigError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(FORMATS)} or auto")
+
+
+def import_checkpoint(
+    store: Any,
+    path: str,
+    step: int,
+    *,
+    fmt: str = "auto",
+    run: str | None = None,
+    sub_key: str | None = "model_states",
+    metrics: Mapping[str, float] | None = None,
+    tags: Sequence[str] = (),
+    kind: str = "imported",
+    allow_pickle: bool = False,
+) -> Checkpoint:
+    """Commit a checkpoint file or folder as ``step`` of a run, as rank 0.
+
+    With ``sub_key=None`` the file's top-level keys become sub-checkpoints (a file saved as
+    ``{"model": ..., "optimizer": ...}``); otherwise the whole file is one sub-checkpoint.
+    """
+    state = read_checkpoint(path, fmt, allow_pickle=allow_pickle)
+    if sub_key is None:
+        if not isinstance(state, Mapping) or not state or not all(isinstance(k, str) for k in state):
+            raise UnsupportedValueError(
+                f"{path}: to split it into sub-checkpoints its top level must be a dict with string keys"
+            )
+        rank_states = {0: dict(state)}
+    else:
+        rank_states = {0: {sub_key: state}}
+    return store.commit(  # type: ignore[no-any-return]
+        step, rank_states, metrics, tags=tags, kind=kind, run=run, allow_pickle=allow_pickle
+    )
+
+
+def _flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            out.update(_flat_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_flat_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
+    elif obj is not None:
+        raise UnsupportedValueError(
+            f"key {prefix!r} holds a {type(obj).__name__}; safetensors files hold tensors only "
+            "(export to the torch or dcp format instead, or pick a sub-checkpoint of tensors)"
+        )
+    return out
+
+
+def write_checkpoint(state: Any, path: str, fmt: str) -> None:
+    if fmt == "torch":
+        torch.save(state, path)
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(_flat_tensors(state), path)
+    elif fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        if not isinstance(state, dict):
+            raise UnsupportedValueError("a Distributed Checkpoint needs a dict at the top level")
+        with _single_process():
+            dcp.save(state, checkpoint_id=path, no_dist=True)
+    else:
+        raise StoreConfigError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(FORMATS)}")
+
+
+def export_checkpoint(
+    store: Any,
+    ref: str | int,
+    path: str,
+    *,
+    fmt: str = "torch",
+    rank: int = 0,
+    sub_key: str | None = None,
+    consolidate: bool = True,
+    allow_pickle: bool = False,
+) -> Checkpoint:
+    """Write checkpoint ``ref`` to ``path``: one rank (consolidated when sharded), or one sub-key.
+
+    Without ``sub_key`` the file holds ``{sub_key: state_dict}`` for every sub-checkpoint.
+    """
+    ckpt: Checkpoint = store.resolve(ref)
+    layout = WorldLayout.single() if consolidate and ckpt.world_layout.world_size > 1 else None
+    sub_keys = [sub_key] if sub_key else None
+    if layout is not None:
+        states = store.load(ckpt, layout, ranks=[0], sub_keys=sub_keys, allow_pickle=allow_pickle)[0]
+    else:
+        states = store.load(ckpt, ranks=[rank], sub_keys=sub_keys, allow_pickle=allow_pickle)[rank]
+    write_checkpoint(states[sub_key] if sub_key else states, path, fmt)
+    return ckpt
