@@ -34,6 +34,8 @@ __all__ = [
     "ReadPlan",
     "plan_checkout",
     "target_box",
+    "StoredPiece",
+    "plan_boxes",
 ]
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
@@ -271,6 +273,47 @@ class _Builder:
 
 def _source(rank: int, sub_key: str, path: str) -> str:
     return f"rank {rank}, {sub_key}, key {path!r}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPiece:
+    """A stored tensor that holds the part of a global tensor starting at ``offsets``."""
+
+    offsets: tuple[int, ...]
+    record: TensorRecord
+    source: str  # where it is stored, for error messages
+
+
+def plan_boxes(wanted: Sequence[tuple[Sequence[StoredPiece], Box]], itemsizes: Mapping[str, int]) -> ReadPlan:
+    """Plan reading box ``box`` of each global tensor, given by its non-overlapping stored pieces.
+
+    Request ``i`` fills target buffer ``i``; staging buffers, if any, come after the targets.
+    A chunk that several requests need is listed once per place it goes, so the executor
+    fetches it once.
+    """
+    b = _Builder(itemsizes)
+    for pieces, box in wanted:
+        dtypes = {p.record.dtype for p in pieces}
+        if len(dtypes) != 1:
+            raise LayoutError(f"the stored pieces of one tensor have dtypes {sorted(dtypes)}; expected one")
+        b.buffer(dtypes.pop(), tuple(hi - lo for lo, hi in box), staging=False)
+    for target, (pieces, box) in enumerate(wanted):
+        origin = tuple(lo for lo, _ in box)
+        covered = 0
+        for p in pieces:
+            before = len(b.copies) + len(b.boxes)
+            b.piece(p.record, p.record.shard, p.offsets, box, target, origin, p.source)  # type: ignore[arg-type]
+            if len(b.copies) + len(b.boxes) > before:
+                covered += math.prod(
+                    max(0, min(hi, o + n) - max(lo, o)) for (lo, hi), o, n in zip(box, p.offsets, p.record.shape)
+                )
+        need = math.prod(hi - lo for lo, hi in box)
+        if covered < need and need and b.buffers[target].nbytes:
+            raise LayoutError(
+                f"{pieces[0].source if pieces else 'a tensor'}: the stored pieces cover only {covered} of the "
+                f"{need} elements of box {list(box)}; a shard is missing"
+            )
+    return ReadPlan(tuple(b.buffers), tuple(b.copies), tuple(b.boxes), ())
 
 
 def plan_checkout(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _commit
 from ._checkout import execute_plan
@@ -22,6 +22,10 @@ from .reshard import plan_checkout
 from .tensorio import dtype_from_name, itemsize, to_device, unflatten
 
 __all__ = ["Store", "open", "init"]
+
+if TYPE_CHECKING:
+    from .diff import DiffResult
+    from .lineage import Ancestor
 
 RankStates = Mapping[int, Mapping[str, Any]]
 
@@ -128,9 +132,9 @@ class Store:
         return check_name("run", name)
 
     def _parent_id(self, parent: str | int | None, run: str) -> int | None:
-        if parent is None:
-            return None
-        return self.resolve(parent).id
+        from .lineage import commit_parent
+
+        return commit_parent(self, parent, run)
 
     def _commit_prepared(
         self,
@@ -313,6 +317,40 @@ class Store:
             ckpt = self.resolve(name)
             run_name = ckpt.run
         self.catalog.untag(run_name, name)
+
+    # -- diff and lineage --
+    def diff(
+        self,
+        a: str | int | Checkpoint,
+        b: str | int | Checkpoint,
+        *,
+        sub_key: str | None = None,
+        key: str | None = None,
+        stats: bool = True,
+        tolerance: float | None = None,
+    ) -> DiffResult:
+        """What changed from checkpoint ``a`` to checkpoint ``b`` (refs of any runs, or bare run
+        names for their latest checkpoints); see :func:`ckstore.diff.diff_checkpoints`."""
+        from .diff import diff_checkpoints
+        from .lineage import resolve_ref_or_run
+
+        ca, cb = resolve_ref_or_run(self, a), resolve_ref_or_run(self, b)
+        return diff_checkpoints(self, ca, cb, sub_key=sub_key, key=key, stats=stats, tolerance=tolerance)
+
+    def fork(self, ref: str | int | Checkpoint, new_run: str) -> Checkpoint:
+        """Start run ``new_run`` from checkpoint ``ref``; its first commit descends from it."""
+        from .lineage import fork
+
+        return fork(self, ref, new_run)
+
+    def lineage(self, run: str | None = None) -> list[Ancestor]:
+        """The checkpoints ``run`` (default: the store's run) descends from, nearest first."""
+        from .lineage import lineage
+
+        name = run or self.run
+        if name is None:
+            raise StoreConfigError("lineage needs a run: pass run='NAME'")
+        return lineage(self, name)
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

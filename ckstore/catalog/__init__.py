@@ -282,6 +282,19 @@ class Catalog:
                     return out
                 seen.add(current)
 
+    def run_origin(self, name: str) -> tuple[int | None, str | None, int] | None:
+        """``(parent_checkpoint_id, parent_ref, committed checkpoints)`` of a run; None if no such run."""
+        with self._read() as conn:
+            row = conn.execute(
+                select(RUNS.c.id, RUNS.c.parent_checkpoint_id, RUNS.c.parent_ref).where(RUNS.c.name == name)
+            ).first()
+            if row is None:
+                return None
+            n = conn.execute(
+                select(func.count()).select_from(C).where(C.c.run_id == row.id, C.c.status == COMMITTED)
+            ).scalar_one()
+        return row.parent_checkpoint_id, row.parent_ref, int(n)
+
     # -- commit protocol --------------------------------------------------------------------
     def begin_checkpoint(
         self,

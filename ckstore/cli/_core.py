@@ -110,26 +110,32 @@ def log_table(store: Any, run: str | None, checkpoints: list[Any], extra: dict[i
 @click.argument("run", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--limit", "-n", type=int, help="Show only the last N checkpoints.")
+@click.option("--changes", is_flag=True, help="Count the tensors changed since the previous checkpoint.")
 @pass_ctx
 @handle_errors
-def log(obj: Ctx, run: str | None, as_json: bool, limit: int | None) -> None:
+def log(obj: Ctx, run: str | None, as_json: bool, limit: int | None, changes: bool) -> None:
     """Checkpoints of RUN (or of every run): steps, times, metrics, tags, sizes."""
     store = obj.open()
     run = run or obj.run
-    ckpts = store.checkpoints(run)
+    every = ckpts = store.checkpoints(run)
     if limit:
         ckpts = ckpts[-limit:]
+    extra, docs = None, None
+    if changes:
+        from ._diff import change_columns
+
+        extra, docs = change_columns(store, ckpts, every)
     if as_json:
-        print_json([c.to_json() for c in ckpts])
+        print_json([{**c.to_json(), **({"changes": docs[c.id]} if docs is not None else {})} for c in ckpts])
         return
     if not ckpts:
         console.print(f"no checkpoints in {'run ' + run if run else 'this store'} yet")
         return
-    if run:
-        lineage = store.catalog.lineage(run)
+    for name in [run] if run else list(dict.fromkeys(c.run for c in ckpts)):
+        lineage = store.catalog.lineage(name)
         if lineage:
-            console.print(f"run {run} forked from {' <- '.join(lineage)}")
-    console.print(log_table(store, run, ckpts))
+            console.print(f"run {name} forked from {' <- '.join(lineage)}")
+    console.print(log_table(store, run, ckpts, extra))
 
 
 @click.command()

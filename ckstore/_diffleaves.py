@@ -1,0 +1,252 @@
+"""The leaves of one side of a diff, and reading the same window of two global tensors.
+
+A side maps each ``(sub_key, path)`` to its leaf per rank: ``{None: leaf}`` when the leaf is a
+sharded tensor (its deduplicated pieces make one global tensor) or is the same on every rank,
+else ``{rank: leaf}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import fnmatch
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._checkout import execute_plan
+from ._diffstats import Accumulator
+from .manifest import Manifest
+from .records import Checkpoint
+from .reshard import StoredPiece, plan_boxes
+from .tensorio import dtype_from_name, format_path, itemsize
+
+__all__ = ["TensorLeaf", "ValueLeaf", "Leaf", "Side", "read_side", "pairs", "decode", "Reader"]
+
+_WINDOW_ELEMS = 1 << 21  # elements per window and side (16 MiB as float64)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLeaf:
+    """A global tensor: one stored piece when unsharded, every distinct piece when sharded."""
+
+    dtype: str
+    shape: tuple[int, ...]  # of the global tensor
+    pieces: tuple[StoredPiece, ...]  # sorted by offsets, replicas dropped
+    sharded: bool
+    item: int  # bytes per element
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.item
+
+    def signature(self) -> frozenset[tuple[Any, ...]]:
+        return frozenset(
+            (p.offsets, p.record.shape, p.record.chunk_size, p.record.chunks) for p in self.pieces
+        )
+
+    def intervals(self) -> list[tuple[int, int, bytes]] | None:
+        """``(start, stop, digest)`` of every chunk in the global tensor's row-major bytes, when
+        every piece is a contiguous run of whole rows; else None."""
+        row = math.prod(self.shape[1:]) * self.item
+        out = []
+        for p in self.pieces:
+            if p.record.shape[1:] != self.shape[1:]:
+                return None
+            base = p.offsets[0] * row if self.shape else 0
+            for i, d in enumerate(p.record.chunks):
+                s, e = p.record.chunk_span(i)
+                out.append((base + s, base + e, d))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ValueLeaf:
+    """A plain value (or an empty container), as its encoded manifest node."""
+
+    node: Any
+    text: str  # the node as canonical JSON, for comparing by value and type
+
+
+Leaf = TensorLeaf | ValueLeaf
+
+
+@dataclass(slots=True)
+class Side:
+    """The leaves of one checkpoint that a diff compares."""
+
+    ckpt: Checkpoint
+    leaves: dict[tuple[str, str], dict[int | None, Leaf]]
+    chunks: dict[bytes, int]  # digest -> raw size, of every compared tensor
+
+
+def _key_part(node: list[Any]) -> Any:
+    tag = node[0]
+    if tag == "n":
+        return None
+    if tag == "f":
+        return float(node[1])
+    return node[1]
+
+
+def _walk(tree: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(keys, node)`` for every leaf of an encoded tree: tensor refs, values, empty containers."""
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), tree)]
+    while stack:
+        keys, node = stack.pop()
+        tag = node[0]
+        if tag == "d" and node[1]:
+            stack.extend(((*keys, _key_part(k)), v) for k, v in reversed(node[1]))
+        elif tag in ("l", "t") and node[1]:
+            stack.extend(((*keys, i), v) for i, v in reversed(list(enumerate(node[1]))))
+        else:
+            yield keys, node
+
+
+def decode(node: Any) -> Any:
+    """A plain value for display: scalars as Python values, containers summarized."""
+    tag = node[0]
+    if tag in ("n", "b", "i", "s"):
+        return None if tag == "n" else node[1]
+    if tag == "f":
+        return float(node[1])
+    if tag == "y":
+        return base64.b64decode(node[1])
+    if tag == "P":
+        return "<pickled object>"
+    return {"d": {}, "l": [], "t": []}.get(tag, f"<{tag}>")
+
+
+def _matches(pattern: str | None, sub_key: str, path: str) -> bool:
+    return (
+        pattern is None
+        or fnmatch.fnmatchcase(f"{sub_key}/{path}", pattern)
+        or fnmatch.fnmatchcase(path, pattern)
+    )
+
+
+def read_side(
+    store: Any, ckpt: Checkpoint, sub_keys: list[str] | None, pattern: str | None
+) -> Side:
+    """The leaves of ``ckpt`` in ``sub_keys`` (all when None) whose key matches glob ``pattern``."""
+    mans: dict[tuple[int, str], Manifest] = store.manifests(ckpt, sub_keys=sub_keys)
+    where = f"run {ckpt.run!r}, step {ckpt.step}"
+    pieces: dict[tuple[str, str], dict[tuple[int, ...], StoredPiece]] = {}
+    gshape: dict[tuple[str, str], tuple[int, ...]] = {}
+    plain: dict[tuple[str, str], dict[int | None, Leaf]] = {}
+    chunks: dict[bytes, int] = {}
+    sizes: dict[str, int] = {}
+    order: dict[tuple[str, str], None] = {}
+    for (rank, sub_key), man in sorted(mans.items()):
+        for keys, node in _walk(man.tree):
+            path = format_path(keys)
+            if not _matches(pattern, sub_key, path):
+                continue
+            k = (sub_key, path)
+            order[k] = None
+            if node[0] != "T":
+                plain.setdefault(k, {})[rank] = ValueLeaf(
+                    node, json.dumps(node, separators=(",", ":"))
+                )
+                continue
+            rec = man.tensors[int(node[1])]
+            for i, d in enumerate(rec.chunks):
+                s, e = rec.chunk_span(i)
+                chunks[d] = e - s
+            source = f"{where}, rank {rank}, {sub_key}, key {rec.path!r}"
+            item = sizes.setdefault(rec.dtype, itemsize(dtype_from_name(rec.dtype)))
+            if rec.shard is not None:
+                pieces.setdefault(k, {}).setdefault(
+                    rec.shard.offsets, StoredPiece(rec.shard.offsets, rec, source)
+                )
+                gshape[k] = rec.shard.global_shape
+                continue
+            piece = StoredPiece((0,) * len(rec.shape), rec, source)
+            plain.setdefault(k, {})[rank] = TensorLeaf(rec.dtype, rec.shape, (piece,), False, item)
+    leaves: dict[tuple[str, str], dict[int | None, Leaf]] = {}
+    for k in order:
+        if k in pieces:
+            ps = tuple(v for _, v in sorted(pieces[k].items()))
+            dtype = ps[0].record.dtype
+            leaves[k] = {None: TensorLeaf(dtype, gshape[k], ps, True, sizes[dtype])}
+            continue
+        by_rank = plain[k]
+        first = next(iter(by_rank.values()))
+        if all(_same_leaf(first, v) for v in by_rank.values()):
+            leaves[k] = {None: first}
+        else:
+            leaves[k] = dict(by_rank)
+    return Side(ckpt, leaves, chunks)
+
+
+def _same_leaf(x: Leaf, y: Leaf) -> bool:
+    if isinstance(x, ValueLeaf) or isinstance(y, ValueLeaf):
+        return isinstance(x, ValueLeaf) and isinstance(y, ValueLeaf) and x.text == y.text
+    return x.dtype == y.dtype and x.shape == y.shape and x.signature() == y.signature()
+
+
+def pairs(
+    am: Mapping[int | None, Leaf], bm: Mapping[int | None, Leaf]
+) -> Iterator[tuple[int | None, Leaf | None, Leaf | None]]:
+    """``(rank, leaf of a, leaf of b)`` to compare for one key; a leaf that is the same on every
+    rank is compared with each rank's leaf of the other side, and a missing one is None."""
+    if not am or not bm:
+        for r, v in (am or bm).items():
+            yield (r, v, None) if am else (r, None, v)
+    elif None in am and None in bm:
+        yield None, am[None], bm[None]
+    elif None in am:
+        for r, v in bm.items():
+            yield r, am[None], v
+    elif None in bm:
+        for r, v in am.items():
+            yield r, v, bm[None]
+    else:
+        for r in sorted(set(am) | set(bm), key=lambda x: -1 if x is None else x):
+            yield r, am.get(r), bm.get(r)
+
+
+def _windows(shape: tuple[int, ...], elems: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Blocks of whole rows (along dim 0) of about ``elems`` elements covering the tensor."""
+    if not shape:
+        yield ()
+        return
+    row = math.prod(shape[1:])
+    if row == 0 or shape[0] == 0:
+        return
+    rows = max(1, elems // row)
+    rest = tuple((0, n) for n in shape[1:])
+    for r0 in range(0, shape[0], rows):
+        yield ((r0, min(shape[0], r0 + rows)), *rest)
+
+
+class Reader:
+    """Reads the same window of both sides' global tensors through one read plan."""
+
+    def __init__(self, store: Any, where: str) -> None:
+        self.store = store
+        self.where = where
+        self.sizes: dict[str, int] = {}
+
+    def scan(self, ta: TensorLeaf, tb: TensorLeaf, acc: Accumulator, *, stop_on_diff: bool) -> int:
+        """Feed every window of ``ta`` and ``tb`` to ``acc``; returns the raw bytes decoded."""
+        self.sizes.update({ta.dtype: ta.item, tb.dtype: tb.item})
+        chunk_elems = max(p.record.chunk_size // t.item for t in (ta, tb) for p in t.pieces)
+        read = 0
+        for box in _windows(ta.shape, max(_WINDOW_ELEMS, chunk_elems)):
+            plan = plan_boxes([(ta.pieces, box), (tb.pieces, box)], self.sizes)
+            got = execute_plan(
+                plan,
+                self.store.blobs,
+                self.store.catalog.chunk_locations,
+                where=self.where,
+                workers=self.store.workers,
+            )
+            read += sum({c.digest: c.raw_size for c in plan.copies}.values())
+            a, b = got[0], got[1]
+            assert a is not None and b is not None
+            acc.add(a, b)
+            if stop_on_diff and not acc.bits_equal:
+                break
+        return read
