@@ -52,6 +52,8 @@ class CheckpointRow(Base):
     __table_args__ = (
         UniqueConstraint("run_id", "step", "status", name="uq_checkpoints_run_step_status"),
         Index("ix_checkpoints_status_heartbeat", "status", "heartbeat_at"),
+        # ids are never reused: runs.parent_checkpoint_id may outlive the row it names
+        {"sqlite_autoincrement": True},
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -50,7 +50,8 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['parent_checkpoint_id'], ['checkpoints.id'], ondelete='SET NULL'),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id'),
-    sa.UniqueConstraint('run_id', 'step', 'status', name='uq_checkpoints_run_step_status')
+    sa.UniqueConstraint('run_id', 'step', 'status', name='uq_checkpoints_run_step_status'),
+    sqlite_autoincrement=True,
     )
     with op.batch_alter_table('checkpoints', schema=None) as batch_op:
         batch_op.create_index('ix_checkpoints_status_heartbeat', ['status', 'heartbeat_at'], unique=False)
