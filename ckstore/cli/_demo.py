@@ -26,6 +26,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     from ckstore.demo import DemoConfig, Trainer, train
 
     from ._core import log_table
+    from ._diff import render as render_diff
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     location = obj.location or DEFAULT_STORE
@@ -67,6 +68,31 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     for _ in range(10):
         resumed.train_step()
     console.print(f"resumed 10 steps from step {best.step}: val_loss now {resumed.val_loss():.4f}")
+
+    ft_name = f"{run_name}-ft"
+    console.rule(f"[bold]4. fine-tune run {ft_name}, forked from {best.ref}, embedding frozen[/]")
+    store.fork(best.ref, ft_name)
+    ft = Trainer(cfg)
+    ft.load(store.checkout(best.ref)[0])
+    ft.model.embed.weight.requires_grad_(False)
+    steps = max(cfg.commit_every, cfg.steps // 4)
+
+    def commit_ft(step: int, metrics: dict[str, float]) -> None:
+        ck = store.commit(step, {0: ft.state()}, metrics, run=ft_name, kind="recovery")
+        console.print(f"          committed {ck.ref}: {ck.stored_bytes_added / 2**20:.2f} MiB new")
+
+    train(ft, steps, commit_ft, cfg.commit_every, log=console.print)
+
+    console.rule(f"[bold]5. what the fine-tune changed: diff {best.ref} {ft_name}[/]")
+    store.blobs.stats.reset()
+    res = store.diff(best.ref, ft_name, sub_key="model_states")
+    read = store.blobs.stats.snapshot()["bytes_read"]
+    render_diff(res)
+    same = [t.key for t in res.unchanged]
+    console.print(
+        f"{len(same)} tensor(s) identical without reading a byte ({', '.join(same) or 'none'}); "
+        f"{len(res.changed)} changed; {read / 2**20:.2f} MiB read from the store"
+    )
     console.print(f"\ndone. Explore with: ckstore --store {location} log {run_name}")
 
 
