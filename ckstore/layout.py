@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import LayoutError
 
-__all__ = ["WorldLayout", "Shard", "chunk_range"]
+__all__ = ["Shard", "WorldLayout", "chunk_range"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,7 @@ class Shard:
     Several mesh dims may split the tensor: ``mesh_dim=("dp", "tp"), dim=(0, 1)``.
     """
 
-    __slots__ = ("tensor", "mesh_dims", "dims", "offsets", "global_shape")
+    __slots__ = ("dims", "global_shape", "mesh_dims", "offsets", "tensor")
 
     def __init__(
         self,
@@ -129,9 +129,13 @@ class Shard:
         if len(dims) != len(mesh_dims):
             raise LayoutError(f"Shard: {len(mesh_dims)} mesh dims but {len(dims)} tensor dims")
         ndim = tensor.dim()
+        if ndim == 0:
+            raise LayoutError("Shard: a 0-d tensor cannot be split; store it as a plain tensor")
         for d in dims:
-            if not 0 <= d < max(ndim, 1):
+            if not 0 <= d < ndim:
                 raise LayoutError(f"Shard: tensor dim {d} is out of range for a {ndim}-d tensor")
+        if len(set(mesh_dims)) != len(mesh_dims):
+            raise LayoutError(f"Shard: mesh dims {mesh_dims} name one mesh dim twice")
         if (offsets is None) != (global_shape is None):
             raise LayoutError("Shard: give offsets and global_shape together, or neither")
         if offsets is not None and global_shape is not None:
