@@ -9,6 +9,9 @@ Call order of a commit (one process, or rank 0 of a distributed commit)::
     begin_checkpoint  →  claim_chunks  →  (register_pack → write the pack → add_chunks)*
                       →  finish_checkpoint          (or abort_checkpoint on failure)
 
+A collective commit registers every rank's packs at once (``register_packs``) before the ranks
+write them, and records their chunks (``add_chunks``) once every rank is done.
+
 ``heartbeat`` may be called from another thread at any time in between. Every method is safe to
 call from many processes at once; ``docs/format.md`` explains why garbage collection running at
 the same time never deletes a chunk a commit relies on.
@@ -387,6 +390,18 @@ class Catalog:
             self._own_pending(conn, ckpt_id, owner)
             res = conn.execute(P.insert().values(key=key, size=0, created_at=utcnow(), owner_checkpoint_id=ckpt_id))
             return int(res.inserted_primary_key[0])
+
+    def register_packs(self, ckpt_id: int, owner: Owner, keys: Sequence[str]) -> list[int]:
+        """:meth:`register_pack` for many keys in one transaction (a collective commit records
+        every rank's packs up front); returns their ids in order."""
+        ids = []
+        with self._write(lock="shared") as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            now = utcnow()
+            for key in keys:
+                res = conn.execute(P.insert().values(key=key, size=0, created_at=now, owner_checkpoint_id=ckpt_id))
+                ids.append(int(res.inserted_primary_key[0]))
+        return ids
 
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
