@@ -467,11 +467,12 @@ class _CommitJob:
         def local() -> Checkpoint:
             assert self.results is not None and self.ckpt_id is not None
             catalog = self.store.catalog
-            added = 0
-            for packs, _ in self.results:
-                for pack_id, size, chunks in packs:
-                    new = [NewChunk(k.digest, k.offset, k.length, k.raw_size, k.codec) for k in chunks]
-                    added += catalog.add_chunks(self.ckpt_id, self.owner, pack_id, size, new)
+            packs = [
+                (pack_id, size, [NewChunk(k.digest, k.offset, k.length, k.raw_size, k.codec) for k in chunks])
+                for rank_packs, _ in self.results
+                for pack_id, size, chunks in rank_packs
+            ]
+            added = catalog.add_packs(self.ckpt_id, self.owner, packs) if packs else 0
             manifests = [m for _, ms in self.results for m in ms]
             ckpt = catalog.finish_checkpoint(
                 self.ckpt_id, self.owner, entries=manifests, metrics=self.metrics, tags=tags,
