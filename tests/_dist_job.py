@@ -43,6 +43,7 @@ def global_tensors() -> dict[str, torch.Tensor]:
         "dt_grid": random_tensor(torch.int32, (50, 41), gen),
         "dt_nested": random_tensor(torch.float32, (202, 64), gen),
         "dt_rep": random_tensor(torch.float64, (17,), gen),
+        "dt_sub": random_tensor(torch.float16, (33, 8), gen),
     }
 
 
@@ -92,7 +93,13 @@ DT_PLACEMENTS = {  # name: placements on the ("dp", "tp") mesh, as (kind, dim)
 }
 
 
+DT_SUB = "dt_sub"  # Shard(0) on the sub-mesh mesh["tp"]
+DT_NAMES = [*DT_PLACEMENTS, DT_SUB]
+
+
 def dt_splits(name: str) -> tuple[tuple[int, str], ...]:
+    if name == DT_SUB:
+        return ((0, "tp"),)
     return tuple((d, m) for (kind, d), m in zip(DT_PLACEMENTS[name], ("dp", "tp")) if kind == "S")
 
 
@@ -139,6 +146,7 @@ def scenario_main(store: ckstore.Store, rank: int, world: int, out: dict[str, An
         name: distribute_tensor(g[name], mesh, [DShard(d) if kind == "S" else Replicate() for kind, d in pl])
         for name, pl in DT_PLACEMENTS.items()
     }
+    dts[DT_SUB] = distribute_tensor(g[DT_SUB], mesh["tp"], [DShard(0)])
     ck2 = store.commit(2, {rank: {"model_states": {**dts, "extra": torch.arange(3)}}})
     assert ck2.world_layout == SAVED, ck2.world_layout
     mine = store.checkout(2, world_layout=SAVED)[rank]["model_states"]
@@ -166,8 +174,12 @@ def scenario_tp2(store: ckstore.Store, rank: int, world: int, out: dict[str, Any
     check_step1(got[rank], g, tp2, rank)
     assert got[rank]["optim_states"]["rng"].tolist() == [rank, 1000 + rank]  # the dp=0 ranks' own
     got2 = store.checkout(2, world_layout=tp2)[rank]["model_states"]
-    for name in DT_PLACEMENTS:
+    for name in DT_NAMES:
         assert bits(got2[name]) == bits(expected_piece(g[name], dt_splits(name), tp2, {"tp": rank})), name
+    # every rank of a job may also ask for the consolidated states
+    full = store.checkout(1, world_layout=WorldLayout.single())
+    assert list(full) == [0]
+    check_step1(full[0], g, WorldLayout.single(), 0)
     with_bad_size = None
     try:
         store.checkout(1, world_layout=WorldLayout({"tp": 4}))

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_job import DT_PLACEMENTS, SAVED, check_step1, dt_splits, expected_piece, global_tensors
+from _dist_job import DT_NAMES, SAVED, check_step1, dt_splits, expected_piece, global_tensors
 from helpers import bits
 
 import ckstore
@@ -99,13 +99,13 @@ def test_commit_on_4_ranks_and_reshard_to_other_jobs(dstore: Path, tmp_path: Pat
         check_step1(full[0], g, WorldLayout.single(), 0)
         assert full[0]["optim_states"]["rng"].tolist() == [0, 1000]
         dt = store.checkout(2, world_layout=WorldLayout.single())[0]["model_states"]
-        for name in DT_PLACEMENTS:
+        for name in DT_NAMES:
             assert bits(dt[name]) == bits(g[name]), name
         assert store.resolve(2).world_layout == SAVED
         # one process may also check out any ranks of another layout
         some = store.checkout(2, world_layout=WorldLayout({"dp": 2, "tp": 4}), ranks=[5])
         lay = WorldLayout({"dp": 2, "tp": 4})
-        for name in DT_PLACEMENTS:
+        for name in DT_NAMES:
             want = expected_piece(g[name], dt_splits(name), lay, lay.coords(5))
             assert bits(some[5]["model_states"][name]) == bits(want), name
 

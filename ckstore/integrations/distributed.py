@@ -80,10 +80,13 @@ def group_rank(group: Any) -> int:
 
 
 def own_ranks(group: Any, world_layout: WorldLayout | None) -> list[int]:
-    """The ranks a checkout inside a distributed job loads: this rank's own."""
+    """The ranks a checkout inside a distributed job loads: this rank's own (or rank 0 of a
+    one-rank layout: every rank that asks gets the consolidated states)."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
+    if world_layout is not None and world_layout.world_size == 1:
+        return [0]
     if world_layout is not None and world_layout.world_size != size:
         raise LayoutError(
             f"world_layout {world_layout.mesh} has {world_layout.world_size} ranks but the process group "

@@ -44,8 +44,7 @@ class DTensorLeaves:
                 "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) so its dims match the world layout"
             )
         shape = tuple(int(s) for s in mesh.shape)
-        if (tuple(names), shape) not in self.meshes:
-            self.meshes.append((tuple(names), shape))
+        self._remember(mesh)
         splits: list[tuple[int, str]] = []
         for name, p in zip(names, x.placements):
             if p.is_shard() and type(p).__name__ == "Shard":  # not _StridedShard (FSDP2 + TP)
@@ -77,6 +76,16 @@ class DTensorLeaves:
             global_shape=gshape,
         )
         return Leaf((), local, declared)
+
+
+    def _remember(self, mesh: Any) -> None:
+        # a DTensor on a sub-mesh (mesh["tp"]) also tells the whole mesh it was cut from
+        root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+        for m in (mesh, root):
+            if m.mesh_dim_names is not None:
+                found = (tuple(m.mesh_dim_names), tuple(int(s) for s in m.shape))
+                if found not in self.meshes:
+                    self.meshes.append(found)
 
 
 def default_layout(hook: DTensorLeaves, world_size: int) -> WorldLayout:
