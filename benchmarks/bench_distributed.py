@@ -1,6 +1,6 @@
 """Collective commit and checkout vs torch.distributed.checkpoint (DCP), by world size.
 
-    python benchmarks/bench_distributed.py [--sharded-mib 96] [--replicated-mib 24] [--dir DIR]
+    python benchmarks/bench_distributed.py [--sharded-mib 96] [--replicated-mib 24] [--repeat 3] [--dir DIR]
 
 Runs real gloo jobs of 4, 2 and 1 ranks on this machine, one after another, all writing to the
 same stores. Each job, on the same state dict and in the same run:
@@ -12,8 +12,9 @@ same stores. Each job, on the same state dict and in the same run:
   land on disk, for ckstore (one writer per chunk, picked by rank 0), ckstore with every rank
   writing its own copy (``writers="all"``, idempotent writes), and DCP (which dedups replicas).
 
-Every job uses fresh random data, so nothing dedups against an earlier job. Times are wall
-clock on rank 0 between barriers (loads: the best of two); both systems fsync what they write.
+Every job runs everything ``--repeat`` times on fresh random data (nothing dedups against an
+earlier commit) and reports the best time: wall clock on rank 0 between barriers. Both systems
+fsync what they write; loads read from the page cache.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import torch
 
 TENSOR_MIB = 8  # the sharded state is made of 8 MiB fp32 matrices, the replicated one of 4 MiB
 JOBS = [(4, []), (2, [4]), (1, [2, 4])]  # (world size, earlier jobs whose checkpoints it reshards)
-LOADS = 2  # loads read the same files again: report the best of this many
 
 
 def _du(path: Path) -> int:
@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor import empty as dempty
 
     import ckstore
@@ -61,70 +61,79 @@ def worker(args: argparse.Namespace) -> None:
                             world_size=world, timeout=timedelta(seconds=600))  # fmt: skip
     base = Path(args.dir)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    gen = torch.Generator().manual_seed(1000 * world)
-    n_sharded = max(1, args.sharded_mib // TENSOR_MIB)
+    layout = ckstore.WorldLayout({"dp": world})
     shape = (2048, TENSOR_MIB * 1024 * 1024 // 4 // 2048)
-    sharded = {
-        f"layer{i}.weight": distribute_tensor(torch.randn(shape, generator=gen), mesh, [Shard(0)])
-        for i in range(n_sharded)
-    }
-    replicated = {
-        f"rep{i}.weight": torch.randn((1024, 1024), generator=gen) for i in range(max(1, args.replicated_mib // 4))
-    }
+    local_shape = (shape[0] // world, shape[1])
     assigned = ckstore.open(base / "ckstore", run="bench", create=False, workers=2)
     every = ckstore.open(base / "ckstore-all", run="bench", create=False, workers=2)
+    collective = active_group() is not None
     out: dict[str, Any] = {"world": world}
 
-    def timed(name: str, fn: Callable[[], Any], repeat: int = 1) -> Any:
-        """Rank 0's wall time between barriers; the best of ``repeat`` runs."""
-        for _ in range(repeat):
-            dist.barrier()
-            t0 = time.perf_counter()
-            result = fn()
-            dist.barrier()
-            out[name] = min(out.get(name, float("inf")), time.perf_counter() - t0)
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        """Rank 0's wall time between barriers; the best of every repeat is kept."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        result = fn()
+        dist.barrier()
+        out[name] = min(out.get(name, float("inf")), time.perf_counter() - t0)
         return result
 
     def dcp_target() -> dict[str, Any]:
-        return {k: dempty(*v.shape, device_mesh=mesh, placements=[Shard(0)]) for k, v in sharded.items()}
+        return {f"layer{i}.weight": dempty(*shape, device_mesh=mesh, placements=[Shard(0)])
+                for i in range(max(1, args.sharded_mib // TENSOR_MIB))}  # fmt: skip
 
-    # sharded state: commit / save, then load in the same layout
-    timed("ck_commit", lambda: assigned.commit(world, {rank: {"model_states": sharded}}))
-    timed("dcp_save", lambda: dcp.save(sharded, checkpoint_id=base / f"dcp-sharded-{world}"))
-    layout = ckstore.WorldLayout({"dp": world})
-    got = timed("ck_checkout", lambda: assigned.checkout(world, world_layout=layout), LOADS)
-    local = {k: v.to_local() for k, v in sharded.items()}
-    assert all(torch.equal(got[rank]["model_states"][k], local[k]) for k in local)
-    target = dcp_target()
-    timed("dcp_load", lambda: dcp.load(target, checkpoint_id=base / f"dcp-sharded-{world}"), LOADS)
-    assert all(torch.equal(target[k].to_local(), local[k]) for k in local)
+    def one_round(rep: int) -> None:
+        # fresh data every repeat (and every job), so nothing dedups against earlier commits
+        gen = torch.Generator().manual_seed(1_000_000 * world + 1000 * rep + rank)
+        sharded = {
+            k: DTensor.from_local(
+                torch.randn(local_shape, generator=gen), mesh, [Shard(0)], shape=shape, stride=(shape[1], 1)
+            )
+            for k in dcp_target()
+        }
+        rgen = torch.Generator().manual_seed(1_000_000 * world + 1000 * rep + 999)  # the same on every rank
+        replicated = {f"rep{i}.weight": torch.randn((1024, 1024), generator=rgen)
+                      for i in range(max(1, args.replicated_mib // 4))}  # fmt: skip
+        step, ck_dir = 1000 * world + rep, base / f"dcp-sharded-{world}-{rep}"
 
-    # reshard what earlier (larger) jobs saved into this job's layout
-    for src in args.reshard_from:
-        got = timed(f"ck_reshard_{src}", lambda s=src: assigned.checkout(s, world_layout=layout), LOADS)
+        # sharded state: commit / save, then load in the same layout
+        timed("ck_commit", lambda: assigned.commit(step, {rank: {"model_states": sharded}}))
+        timed("dcp_save", lambda: dcp.save(sharded, checkpoint_id=ck_dir))
+        got = timed("ck_checkout", lambda: assigned.checkout(step, world_layout=layout))
+        local = {k: v.to_local() for k, v in sharded.items()}
+        assert all(torch.equal(got[rank]["model_states"][k], local[k]) for k in local)
         target = dcp_target()
-        src_dir = base / f"dcp-sharded-{src}"
-        timed(f"dcp_reshard_{src}", lambda t=target, d=src_dir: dcp.load(t, checkpoint_id=d), LOADS)
-        assert all(torch.equal(got[rank]["model_states"][k], target[k].to_local()) for k in target)
+        timed("dcp_load", lambda: dcp.load(target, checkpoint_id=ck_dir))
+        assert all(torch.equal(target[k].to_local(), local[k]) for k in local)
 
-    # replicated state: time and bytes on disk, one writer per chunk vs every rank writing
-    step, states = 100 + world, {rank: {"m": replicated}}
-    collective = active_group() is not None
-    for name, store, writers in (("ck", assigned, "assigned"), ("ckall", every, "all")):
-        before = _du(Path(store.location))
+        # reshard what earlier (larger) jobs saved into this job's layout
+        for src in args.reshard_from:
+            got = timed(f"ck_reshard_{src}", lambda s=src: assigned.checkout(1000 * s, world_layout=layout))
+            target = dcp_target()
+            src_dir = base / f"dcp-sharded-{src}-0"
+            timed(f"dcp_reshard_{src}", lambda t=target, d=src_dir: dcp.load(t, checkpoint_id=d))
+            assert all(torch.equal(got[rank]["model_states"][k], target[k].to_local()) for k in target)
 
-        def commit(store: Any = store, writers: str = writers) -> Any:
-            if collective:
-                return commit_collective(store, dist.group.WORLD, step, states, None, writers=writers)
-            return store.commit(step, states)
+        # replicated state: time and bytes on disk, one writer per chunk vs every rank writing
+        states = {rank: {"m": replicated}}
+        for name, store, writers in (("ck", assigned, "assigned"), ("ckall", every, "all")):
+            before = _du(Path(store.location))
 
-        timed(f"{name}_rep_commit", commit)
-        out[f"{name}_rep_bytes"] = _du(Path(store.location)) - before
-    rep_dir = base / f"dcp-rep-{world}"
-    timed("dcp_rep_save", lambda: dcp.save(replicated, checkpoint_id=rep_dir))
-    out["dcp_rep_bytes"] = _du(rep_dir)
-    out["sharded_bytes"] = sum(v.numel() * 4 for v in sharded.values())
-    out["replicated_bytes"] = sum(v.nbytes for v in replicated.values())
+            def commit(store: Any = store, writers: str = writers) -> Any:
+                if collective:
+                    return commit_collective(store, dist.group.WORLD, 100 + step, states, None, writers=writers)
+                return store.commit(100 + step, states)
+
+            timed(f"{name}_rep_commit", commit)
+            out[f"{name}_rep_bytes"] = _du(Path(store.location)) - before
+        rep_dir = base / f"dcp-rep-{world}-{rep}"
+        timed("dcp_rep_save", lambda: dcp.save(replicated, checkpoint_id=rep_dir))
+        out["dcp_rep_bytes"] = _du(rep_dir)
+        out["sharded_bytes"] = sum(v.numel() * 4 for v in sharded.values())
+        out["replicated_bytes"] = sum(v.nbytes for v in replicated.values())
+
+    for rep in range(args.repeat):
+        one_round(rep)
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     assigned.close()
@@ -147,7 +156,7 @@ def launch(args: argparse.Namespace, world: int, reshard_from: list[int]) -> dic
     port = _free_port()
     cmd = [sys.executable, __file__, "--worker", "--dir", args.dir, "--port", str(port), "--world", str(world),
            "--sharded-mib", str(args.sharded_mib), "--replicated-mib", str(args.replicated_mib),
-           "--out", str(out), "--reshard-from", *map(str, reshard_from)]  # fmt: skip
+           "--repeat", str(args.repeat), "--out", str(out), "--reshard-from", *map(str, reshard_from)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in range(world)]
     for p in procs:
@@ -203,6 +212,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sharded-mib", type=int, default=96)
     p.add_argument("--replicated-mib", type=int, default=24)
+    p.add_argument("--repeat", type=int, default=3, help="runs of everything, on fresh data; the best is shown")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary folder)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
