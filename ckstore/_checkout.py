@@ -25,7 +25,7 @@ from .errors import BlobStoreError, ChunkNotFoundError, IntegrityError
 from .readplan import ChunkCopy, ReadPlan
 from .tensorio import byte_view, dtype_from_name, empty_tensor
 
-__all__ = ["COALESCE_GAP", "COALESCE_MAX", "COALESCE_SMALL", "COALESCE_WASTE", "execute_plan"]
+__all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX"]
 
 # Neighbouring chunks of a pack are fetched in one request when the bytes between them are few:
 # at most COALESCE_GAP, and either under COALESCE_SMALL or under 1/COALESCE_WASTE of the bytes the

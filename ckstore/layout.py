@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import LayoutError
 
-__all__ = ["Shard", "WorldLayout", "chunk_range"]
+__all__ = ["WorldLayout", "Shard", "chunk_range"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +113,7 @@ class Shard:
     Several mesh dims may split the tensor: ``mesh_dim=("dp", "tp"), dim=(0, 1)``.
     """
 
-    __slots__ = ("dims", "global_shape", "mesh_dims", "offsets", "tensor")
+    __slots__ = ("tensor", "mesh_dims", "dims", "offsets", "global_shape")
 
     def __init__(
         self,

@@ -33,16 +33,16 @@ from .manifest import Manifest, ShardSpec, TensorRecord
 from .readplan import Box, BoxCopy, Buffer, ChunkCopy, PlanBuilder, ReadPlan, TargetEntry
 
 __all__ = [
-    "FALLBACKS",
-    "BoxCopy",
-    "Buffer",
-    "ChunkCopy",
     "PieceInfo",
-    "ReadPlan",
-    "TargetEntry",
-    "plan_checkout",
     "resolve_shards",
     "target_box",
+    "plan_checkout",
+    "FALLBACKS",
+    "Buffer",
+    "ChunkCopy",
+    "BoxCopy",
+    "TargetEntry",
+    "ReadPlan",
 ]
 
 FALLBACKS = (None, "modulo")
@@ -173,8 +173,6 @@ def target_box(spec: ShardSpec, layout: WorldLayout, coords: Mapping[str, int]) 
             lo, hi = lo + a, lo + b
         box[d] = (lo, hi)
     return tuple(box)
-
-
 
 
 # -- the planner ---------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from ..catalog import NewChunk, Owner
 from ..codec import HEADER_SIZE
 from ..errors import CkstoreError, DistributedCommitError, LayoutError, UnsupportedValueError
 from ..layout import WorldLayout
+from ..manifest import ShardSpec
 from ..pack import PACK_HEADER, PackedChunk, PackWriter, new_pack_key
 from ..records import Checkpoint
 from ..reshard import resolve_shards
@@ -312,6 +313,7 @@ class _CommitJob:
         self.ckpt_id: int | None = None  # rank 0: the pending checkpoint
         self.pool: ThreadPoolExecutor | None = None
         self.entries: list[_commit.PreparedEntry] = []
+        self.specs: Mapping[tuple[int, str, str], ShardSpec] = {}
         self.staged: list[_commit.StagedTensor] = []
         self.metrics: dict[str, float] = {}
         self.holdings: list[list[tuple[bytes, int]]] | None = None  # rank 0: what every rank holds
