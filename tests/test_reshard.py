@@ -399,7 +399,7 @@ def _saved_piece(sc: dict[str, Any], coords: dict[str, int]) -> tuple[tuple[int,
     return tuple(offsets), tuple(sl)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_layouts_reshard_exactly_and_read_only_overlapping_chunks(sc: dict[str, Any]) -> None:
     src, tgt, shape, cs = sc["src"], sc["tgt"], sc["shape"], sc["chunk_size"]
