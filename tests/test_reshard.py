@@ -258,6 +258,26 @@ def test_plan_reshards_into_any_layout(target: dict[str, int]) -> None:
         assert o["rng"].tolist() == [src, 100 + src]
 
 
+@pytest.mark.parametrize("target", [{"dp": 2}, {"dp": 2, "tp": 2}, {"tp": 2, "dp": 4}, {"dp": 8}, {}], ids=str)
+def test_mesh_dims_added_removed_grown_shrunk(target: dict[str, int]) -> None:
+    """A ZeRO-like flat partition over {dp: 4} (uneven, explicit offsets) into other meshes."""
+    src = WorldLayout({"dp": 4})
+    flat = random_tensor(torch.bfloat16, (103,), torch.Generator().manual_seed(8))
+    cuts = [0, 30, 31, 70, 103]
+    states = {
+        r: {"o": {"flat": Shard(flat[cuts[r] : cuts[r + 1]].clone(), "dp", offsets=(cuts[r],), global_shape=(103,)),
+                  "step": torch.tensor(9)}}
+        for r in range(4)
+    }  # fmt: skip
+    mans, chunks = save(states, src, chunk_size=16)
+    tgt = WorldLayout(target)
+    out = run_plan(plan(mans, src, tgt), chunks)
+    for r in range(tgt.world_size):
+        c = tgt.coords(r)
+        assert bits(out[r]["o"]["flat"]) == bits(expected_piece(flat, ((0, "dp"),), tgt, c)), (r, c)
+        assert out[r]["o"]["step"].item() == 9
+
+
 def test_same_layout_without_target_returns_what_was_saved() -> None:
     lay, _, states = _mixed_world()
     mans, chunks = save(states, lay, chunk_size=24)
