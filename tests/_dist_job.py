@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import bits, random_tensor
+from helpers import bits, expected_piece, random_tensor
 
 import ckstore
 from ckstore import Shard, WorldLayout
@@ -63,16 +63,6 @@ def rank_states(rank: int, g: dict[str, torch.Tensor]) -> dict[str, Any]:
             "rng": torch.tensor([rank, 1000 + rank]),
         },
     }
-
-
-def expected_piece(g: torch.Tensor, splits: Any, layout: WorldLayout, coords: dict[str, int]) -> torch.Tensor:
-    order = [n for n, _ in layout.dims]
-    t = g
-    for d in range(g.dim()):
-        for m in sorted((m for dd, m in splits if dd == d and m in order), key=order.index):
-            parts = torch.chunk(t, layout.size(m), d)
-            t = parts[coords[m]] if coords[m] < len(parts) else t.narrow(d, t.shape[d], 0)
-    return t
 
 
 def check_step1(got: dict[str, Any], g: dict[str, torch.Tensor], layout: WorldLayout, rank: int) -> None:
@@ -223,6 +213,16 @@ def scenario_fail(store: ckstore.Store, rank: int, world: int, out: dict[str, An
 
     # ranks that disagree on the step
     _expect_failure(out, "disagree", lambda: store.commit(5 + (rank == 3), {rank: states}, world_layout=SAVED))
+
+    # DTensors that cannot be stored as they are: partial sums, an unnamed mesh
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    partial = DTensor.from_local(torch.ones(4), mesh, [Replicate(), Partial()])
+    _expect_failure(out, "partial", lambda: store.commit(3, {rank: {"m": {"grad": partial}}}))
+    unnamed = DTensor.from_local(torch.ones(4), init_device_mesh("cpu", (4,)), [Replicate()])
+    _expect_failure(out, "unnamed", lambda: store.commit(3, {rank: {"m": {"w": unnamed}}}))
 
     # the group is still usable, and a later commit of the failed step succeeds
     ck = store.commit(3, {rank: states}, world_layout=SAVED)

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_job import DT_NAMES, SAVED, check_step1, dt_splits, expected_piece, global_tensors
-from helpers import bits
+from _dist_job import DT_NAMES, SAVED, check_step1, dt_splits, global_tensors
+from helpers import bits, expected_piece
 
 import ckstore
 from ckstore import WorldLayout
-from ckstore.integrations.distributed import _packs_needed, assign_writers
+from ckstore.integrations.distributed import _packs_needed, assign_writers, failure_message
 
 pytestmark = pytest.mark.distributed
 
@@ -114,11 +114,14 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(dstore: Path, tmp_p
     reports = run_job("fail", 4, dstore, tmp_path)
     for r in reports:
         assert r["ok"] and r["final"] == 3
-        assert "failed on rank 1 (rank 1: UnsupportedValueError" in r["early"], r["early"]
-        assert "failed on rank 2 (rank 2: OSError: injected write failure on rank 2)" in r["mid"], r["mid"]
+        assert "failed on rank 1: UnsupportedValueError: rank 1, extra, key 'obj'" in r["early"], r["early"]
+        assert "failed on rank 2: OSError: injected write failure on rank 2;" in r["mid"], r["mid"]
         assert "run 'exp', step 3" in r["mid"] and "nothing was committed" in r["mid"]
-        assert "failed on rank 0 (rank 0: AlreadyExistsError" in r["exists"], r["exists"]
+        assert "failed on rank 0: AlreadyExistsError" in r["exists"], r["exists"]
         assert "ranks disagree" in r["disagree"] and "rank 3 commits run 'exp', step 6" in r["disagree"]
+        assert "failed on ranks 0, 1, 2, 3: UnsupportedValueError" in r["partial"], r["partial"]
+        assert "placement Partial" in r["partial"] and "redistribute" in r["partial"]
+        assert "mesh without dim names" in r["unnamed"], r["unnamed"]
     with ckstore.open(dstore, run="exp") as store:
         assert [c.step for c in store.checkpoints()] == [3, 4]
         assert store.catalog.pending() == []
@@ -170,6 +173,15 @@ def test_assign_writers_only_picks_holders() -> None:
     plan = assign_writers(holdings, {_d(1), _d(2), _d(3)}, run_bytes=10)
     assert plan[0][0] == _d(1) and plan[1][-1] == _d(3) and plan[2] == []
     assert sum(p.count(_d(2)) for p in plan) == 1
+
+
+def test_failure_message_names_every_failing_rank_once() -> None:
+    what = "commit of run 'exp', step 3"
+    assert failure_message(what, {2: "OSError: disk full"}) == (
+        "commit of run 'exp', step 3 failed on rank 2: OSError: disk full; nothing was committed"
+    )
+    msg = failure_message(what, {3: "E: a", 0: "E: b", 1: "E: a"})
+    assert msg == "commit of run 'exp', step 3 failed on ranks 0, 1, 3 (rank 0: E: b; ranks 1, 3: E: a); nothing was committed"
 
 
 def test_pack_slots_bound_what_a_pack_writer_uses(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same, bits, random_tensor
+from helpers import assert_same, bits, expected_piece, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -75,18 +75,6 @@ def run_plan(p: ReadPlan, chunks: dict[bytes, bytes]) -> dict[int, dict[str, Any
     for e in p.entries:
         out.setdefault(e.rank, {})[e.sub_key] = unflatten(e.tree, lambda i, e=e: tensor(e.buffers[i]).clone())
     return out
-
-
-def expected_piece(g: torch.Tensor, splits, layout: WorldLayout, coords: dict[str, int]) -> torch.Tensor:
-    """torch.chunk nested in mesh order (DTensor's Shard semantics), written independently."""
-    order = [n for n, _ in layout.dims]
-    t = g
-    for d in range(g.dim()):
-        for m in sorted((m for dd, m in splits if dd == d and m in order), key=order.index):
-            parts = torch.chunk(t, layout.size(m), d) if t.shape[d] else ()
-            c = coords[m]
-            t = parts[c] if c < len(parts) else t.narrow(d, t.shape[d], 0)
-    return t
 
 
 # -- layout basics ---------------------------------------------------------------------------------

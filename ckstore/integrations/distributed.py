@@ -47,7 +47,15 @@ from .dtensor import DTensorLeaves, default_layout
 if TYPE_CHECKING:
     from ..store import Store
 
-__all__ = ["active_group", "group_rank", "own_ranks", "commit_collective", "assign_writers", "WRITERS"]
+__all__ = [
+    "active_group",
+    "group_rank",
+    "own_ranks",
+    "commit_collective",
+    "assign_writers",
+    "failure_message",
+    "WRITERS",
+]
 
 #: Who writes a chunk several ranks hold: "assigned" (one rank, picked by rank 0) or "all"
 #: (every holder writes its copy; later copies are dead bytes in their packs until gc).
@@ -188,10 +196,25 @@ class _Collective:
     def _check(self, failures: Mapping[int, str]) -> None:
         if not failures:
             return
-        ranks = sorted(failures)
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        detail = "; ".join(f"rank {r}: {failures[r]}" for r in ranks)
-        raise DistributedCommitError(f"{self.what} failed on {who} ({detail}); nothing was committed") from self.error
+        raise DistributedCommitError(failure_message(self.what, failures)) from self.error
+
+
+def failure_message(what: str, failures: Mapping[int, str]) -> str:
+    """``what`` failed on these ranks, with their errors (ranks failing alike are named once)."""
+    by_error: dict[str, list[int]] = {}
+    for r in sorted(failures):
+        by_error.setdefault(failures[r], []).append(r)
+    if len(by_error) == 1:
+        ((error, ranks),) = by_error.items()
+        detail = f"{_ranks(ranks)}: {error}"
+    else:
+        each = "; ".join(f"{_ranks(rs)}: {e}" for e, rs in by_error.items())
+        detail = f"{_ranks(sorted(failures))} ({each})"
+    return f"{what} failed on {detail}; nothing was committed"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _packs_needed(raw_bytes: int, chunks: int, pack_size: int) -> int:
@@ -315,6 +338,7 @@ class _CommitJob:
         self.entries: list[_commit.PreparedEntry] = []
         self.specs: Mapping[tuple[int, str, str], ShardSpec] = {}
         self.staged: list[_commit.StagedTensor] = []
+        self.held: dict[bytes, int] = {}  # raw size of every distinct chunk this rank holds
         self.metrics: dict[str, float] = {}
         self.holdings: list[list[tuple[bytes, int]]] | None = None  # rank 0: what every rank holds
         self.mine: tuple[list[bytes], list[tuple[str, int]]] = ([], [])  # chunks to write, pack slots
@@ -389,11 +413,10 @@ class _CommitJob:
         def local() -> tuple[bytes, list[int]]:
             assert self.pool is not None
             self.staged = _commit.stage_and_hash(self.entries, self.specs, cs, self.pool)
-            held: dict[bytes, int] = {}
             for st in self.staged:
                 for i, d in enumerate(st.digests):
-                    held.setdefault(d, st.chunk(i, cs).nbytes)
-            return _join(list(held)), list(held.values())
+                    self.held.setdefault(d, st.chunk(i, cs).nbytes)
+            return _join(list(self.held)), list(self.held.values())
 
         gathered = self.c.gather("hashing chunks", self.c.attempt(local))
         if gathered is not None:
@@ -448,8 +471,7 @@ class _CommitJob:
             def on_close(pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
                 packs.append((pack_id, size, chunks))
 
-            sizes = {d: st.chunk(i, cfg.chunk_size).nbytes for st in self.staged for i, d in enumerate(st.digests)}
-            total = sum(sizes[d] for d in assigned)
+            total = sum(self.held[d] for d in assigned)
             done = [0]
 
             def tick(n: int) -> None:

@@ -51,7 +51,8 @@ class DTensorLeaves:
                 splits.append((int(p.dim) % max(x.dim(), 1), name))
             elif not p.is_replicate():
                 raise UnsupportedValueError(
-                    f"a DTensor has placement {p} on mesh dim {name!r}, which cannot be stored as it is; "
+                    f"a DTensor has placement {type(p).__name__} ({p}) on mesh dim {name!r}, which cannot be "
+                    "stored as it is; "
                     "redistribute it to Shard or Replicate placements first"
                 )
         local = x.to_local()
