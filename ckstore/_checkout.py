@@ -1,4 +1,4 @@
-"""The checkout executor: runs a :class:`~ckstore.reshard.ReadPlan` against the blob store.
+"""The checkout executor: runs a :class:`~ckstore.readplan.ReadPlan` against the blob store.
 
 Chunks are fetched with coalesced range reads (one request for neighbouring chunks of a pack),
 in parallel threads; zstd and xxhash release the GIL. Each chunk is decoded straight into the
@@ -22,12 +22,17 @@ from . import codec, hashing
 from .blobstore import BlobNotFoundError, BlobStore
 from .catalog import ChunkLocation
 from .errors import BlobStoreError, ChunkNotFoundError, IntegrityError
-from .reshard import ChunkCopy, ReadPlan
+from .readplan import ChunkCopy, ReadPlan
 from .tensorio import byte_view, dtype_from_name, empty_tensor
 
-__all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_MAX"]
+__all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX"]
 
+# Neighbouring chunks of a pack are fetched in one request when the bytes between them are few:
+# at most COALESCE_GAP, and either under COALESCE_SMALL or under 1/COALESCE_WASTE of the bytes the
+# request really needs, so a checkout reading every fourth chunk does not fetch the other three.
 COALESCE_GAP = 256 * 1024
+COALESCE_SMALL = 4 * 1024
+COALESCE_WASTE = 8
 COALESCE_MAX = 32 * 1024 * 1024
 
 
@@ -48,14 +53,23 @@ def _coalesce(digests: Sequence[bytes], locs: dict[bytes, ChunkLocation]) -> lis
     for key, items in by_pack.items():
         items.sort(key=lambda x: x[1].offset)
         cur: _Read | None = None
+        useful = 0
         for d, loc in items:
             end = loc.offset + loc.length
-            if cur is not None and loc.offset - cur.end <= COALESCE_GAP and end - cur.start <= COALESCE_MAX:
+            gap = loc.offset - cur.end if cur is not None else 0
+            if (
+                cur is not None
+                and gap <= COALESCE_GAP
+                and (gap <= COALESCE_SMALL or gap * COALESCE_WASTE <= useful + loc.length)
+                and end - cur.start <= COALESCE_MAX
+            ):
                 cur.end = max(cur.end, end)
                 cur.chunks.append((d, loc))
+                useful += loc.length
             else:
                 cur = _Read(key, loc.offset, end, [(d, loc)])
                 reads.append(cur)
+                useful = loc.length
     reads.sort(key=lambda r: (r.key, r.start))
     return reads
 

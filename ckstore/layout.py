@@ -129,9 +129,13 @@ class Shard:
         if len(dims) != len(mesh_dims):
             raise LayoutError(f"Shard: {len(mesh_dims)} mesh dims but {len(dims)} tensor dims")
         ndim = tensor.dim()
+        if ndim == 0:
+            raise LayoutError("Shard: a 0-d tensor cannot be split; store it as a plain tensor")
         for d in dims:
-            if not 0 <= d < max(ndim, 1):
+            if not 0 <= d < ndim:
                 raise LayoutError(f"Shard: tensor dim {d} is out of range for a {ndim}-d tensor")
+        if len(set(mesh_dims)) != len(mesh_dims):
+            raise LayoutError(f"Shard: mesh dims {mesh_dims} name one mesh dim twice")
         if (offsets is None) != (global_shape is None):
             raise LayoutError("Shard: give offsets and global_shape together, or neither")
         if offsets is not None and global_shape is not None:

@@ -5,16 +5,23 @@ Two pure functions, no I/O:
 * :func:`resolve_shards` turns ``Shard`` declarations of every rank into :class:`ShardSpec` s
   (global shape and offsets), deriving even splits from the pieces' shapes.
 * :func:`plan_checkout` turns stored manifests and a target world layout into a frozen
-  :class:`ReadPlan`: which byte ranges of which chunks land where in which target tensor.
+  :class:`~ckstore.readplan.ReadPlan`: which byte ranges of which chunks land where in which
+  target tensor.
 
 A target rank's piece of a tensor split over mesh dim ``m`` along tensor dim ``d`` is
-``torch.chunk(global, size(m), d)[coord(m)]``; a mesh dim the target layout lacks has size 1.
-Several mesh dims splitting one tensor dim nest in mesh order, as DTensor does.
+``torch.chunk(global, size(m), d)[coord(m)]``, however the tensor was split when it was saved;
+a mesh dim the target layout lacks has size 1. Several mesh dims splitting one tensor dim nest
+in mesh order, as DTensor does.
+
+Values that are neither sharded nor the same on every rank (a per-rank RNG state, say) go to
+the target rank with the same coordinates. A target rank at coordinates the saved layout did
+not have (a dim grew) takes them only when every saved rank that could provide them agrees;
+otherwise planning fails naming the key, unless ``fallback="modulo"`` picks the saved rank at
+the target's coordinates modulo the saved sizes.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,22 +30,24 @@ from typing import Any
 from .errors import LayoutError
 from .layout import WorldLayout, chunk_range
 from .manifest import Manifest, ShardSpec, TensorRecord
+from .readplan import Box, BoxCopy, Buffer, ChunkCopy, PlanBuilder, ReadPlan, TargetEntry
 
 __all__ = [
     "PieceInfo",
     "resolve_shards",
+    "target_box",
+    "plan_checkout",
+    "FALLBACKS",
     "Buffer",
     "ChunkCopy",
     "BoxCopy",
     "TargetEntry",
     "ReadPlan",
-    "plan_checkout",
-    "target_box",
     "StoredPiece",
     "plan_boxes",
 ]
 
-Box = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
+FALLBACKS = (None, "modulo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,67 +84,80 @@ def resolve_shards(layout: WorldLayout, pieces: Sequence[PieceInfo]) -> dict[tup
                     raise LayoutError(
                         f"{sub_key}, key {path!r}: some ranks give explicit offsets and others do not"
                     )
-                out[(p.rank, sub_key, path)] = ShardSpec(p.global_shape, p.offsets, p.splits)
+                out[(p.rank, sub_key, path)] = ShardSpec(p.global_shape, p.offsets, _mesh_order(layout, p.splits))
             _check_same_global(sub_key, path, group)
             continue
-        out.update(_derive_even(layout, sub_key, path, group))
+        derived = _derive_even(layout, sub_key, path, group)
+        shapes = {spec.global_shape for spec in derived.values()}
+        if len(shapes) > 1:
+            raise LayoutError(
+                f"{sub_key}, key {path!r}: the pieces of an even split add up to different global shapes "
+                f"{sorted(shapes)} on different ranks; replicas must have the same shape"
+            )
+        out.update(derived)
     return out
+
+
+def _mesh_order(layout: WorldLayout, splits: tuple[tuple[int, str], ...]) -> tuple[tuple[int, str], ...]:
+    order = [n for n, _ in layout.dims]
+    return tuple(sorted(splits, key=lambda s: order.index(s[1])))
 
 
 def _check_same_global(sub_key: str, path: str, group: Sequence[PieceInfo]) -> None:
     shapes = {p.global_shape for p in group}
     if len(shapes) > 1:
-        raise LayoutError(f"{sub_key}, key {path!r}: ranks disagree on the global shape: {sorted(shapes)}")
+        raise LayoutError(f"{sub_key}, key {path!r}: ranks disagree on the global shape: {sorted(shapes, key=str)}")
 
 
 def _derive_even(
     layout: WorldLayout, sub_key: str, path: str, group: Sequence[PieceInfo]
 ) -> dict[tuple[int, str, str], ShardSpec]:
+    """Offsets and global shape of pieces split without explicit placement: along each split
+    tensor dim, a piece starts where the pieces before it (in nesting order) end."""
     first = group[0]
     for p in group:
         if p.splits != first.splits or len(p.shape) != len(first.shape):
             raise LayoutError(f"{sub_key}, key {path!r}: ranks declare different sharding for it")
-    by_coords = {tuple(sorted(layout.coords(p.rank).items())): p for p in group}
-    ndim = len(first.shape)
+    mesh_order = [n for n, _ in layout.dims]
     split_dims: dict[int, list[str]] = {}
     for d, m in first.splits:
         split_dims.setdefault(d, []).append(m)
-    mesh_order = [n for n, _ in layout.dims]
-    for d in split_dims:
-        split_dims[d].sort(key=mesh_order.index)
-    out: dict[tuple[int, str, str], ShardSpec] = {}
-    for p in group:
-        coords = layout.coords(p.rank)
-        offsets = [0] * ndim
-        gshape = list(p.shape)
-        for d, ms in split_dims.items():
-            total = 0
-            before = 0
-            # every combination of the splitting mesh dims' coordinates, in nesting order
-            sizes = [layout.size(m) for m in ms]
-            for lin in range(math.prod(sizes)):
-                idx = []
-                rest = lin
-                for s in reversed(sizes):
-                    idx.append(rest % s)
-                    rest //= s
-                idx.reverse()
-                other = dict(coords)
-                other.update(zip(ms, idx))
-                q = by_coords.get(tuple(sorted(other.items())))
-                if q is None:
-                    raise LayoutError(
-                        f"{sub_key}, key {path!r}: the global shape of an even split cannot be derived "
-                        f"because rank {layout.rank(other)} has no piece of it; give Shard(offsets=..., "
-                        "global_shape=...) explicitly"
-                    )
-                if idx < [coords[m] for m in ms]:
-                    before += q.shape[d]
-                total += q.shape[d]
-            offsets[d] = before
-            gshape[d] = total
-        out[(p.rank, sub_key, path)] = ShardSpec(tuple(gshape), tuple(offsets), p.splits)
-    return out
+    coords = {p.rank: layout.coords(p.rank) for p in group}
+    offsets = {p.rank: [0] * len(p.shape) for p in group}
+    gshape = {p.rank: list(p.shape) for p in group}
+    for d, ms in split_dims.items():
+        ms.sort(key=mesh_order.index)
+        sizes = [layout.size(m) for m in ms]
+        # the pieces along one line of the splitting mesh dims, by their index in nesting order
+        lines: dict[tuple[int, ...], dict[int, PieceInfo]] = {}
+        for p in group:
+            c = coords[p.rank]
+            line = tuple(c[n] for n in mesh_order if n not in ms)
+            index = 0
+            for m, size in zip(ms, sizes):
+                index = index * size + c[m]
+            lines.setdefault(line, {})[index] = p
+        for line, pieces in lines.items():
+            if len(pieces) < math.prod(sizes):
+                gap = next(i for i in range(math.prod(sizes)) if i not in pieces)
+                other = dict(coords[next(iter(pieces.values())).rank])
+                for m, size in reversed(list(zip(ms, sizes))):
+                    other[m], gap = gap % size, gap // size
+                raise LayoutError(
+                    f"{sub_key}, key {path!r}: the global shape of an even split cannot be derived "
+                    f"because rank {layout.rank(other)} has no piece of it; give Shard(offsets=..., "
+                    "global_shape=...) explicitly"
+                )
+            start = 0
+            for i in range(len(pieces)):
+                offsets[pieces[i].rank][d] = start
+                start += pieces[i].shape[d]
+            for p in pieces.values():
+                gshape[p.rank][d] = start
+    splits = _mesh_order(layout, first.splits)
+    return {
+        (p.rank, sub_key, path): ShardSpec(tuple(gshape[p.rank]), tuple(offsets[p.rank]), splits) for p in group
+    }
 
 
 def target_box(spec: ShardSpec, layout: WorldLayout, coords: Mapping[str, int]) -> Box:
@@ -155,120 +177,7 @@ def target_box(spec: ShardSpec, layout: WorldLayout, coords: Mapping[str, int]) 
     return tuple(box)
 
 
-# -- the read plan -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Buffer:
-    """A tensor the executor fills: a target tensor handed to the caller, or a staging area."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    staging: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkCopy:
-    """Bytes ``[src_start, src_stop)`` of a decoded chunk go to ``buffer`` at ``dst_offset``."""
-
-    digest: bytes
-    raw_size: int
-    src_start: int
-    src_stop: int
-    buffer: int
-    dst_offset: int
-    source: str  # "rank R, SUB_KEY, key PATH" of the stored tensor, for error messages
-
-
-@dataclass(frozen=True, slots=True)
-class BoxCopy:
-    """Once staging buffer ``src`` is filled, copy ``src_box`` of it into ``dst_box`` of ``dst``."""
-
-    src: int
-    src_box: Box
-    dst: int
-    dst_box: Box
-
-
-@dataclass(frozen=True, slots=True)
-class TargetEntry:
-    rank: int
-    sub_key: str
-    tree: Any
-    buffers: tuple[int, ...]  # tensor i of the tree is buffer buffers[i]
-    source: str  # where the tree came from, for error messages
-
-
-@dataclass(frozen=True, slots=True)
-class ReadPlan:
-    buffers: tuple[Buffer, ...]
-    copies: tuple[ChunkCopy, ...]
-    boxes: tuple[BoxCopy, ...]
-    entries: tuple[TargetEntry, ...]
-
-    @property
-    def bytes_to_fill(self) -> int:
-        return sum(c.src_stop - c.src_start for c in self.copies)
-
-
-class _Builder:
-    def __init__(self, itemsizes: Mapping[str, int]) -> None:
-        self.itemsizes = itemsizes
-        self.buffers: list[Buffer] = []
-        self.copies: list[ChunkCopy] = []
-        self.boxes: list[BoxCopy] = []
-
-    def buffer(self, dtype: str, shape: tuple[int, ...], staging: bool) -> int:
-        nbytes = math.prod(shape) * self.itemsizes[dtype]
-        self.buffers.append(Buffer(dtype, shape, nbytes, staging))
-        return len(self.buffers) - 1
-
-    def copy_bytes(self, rec: TensorRecord, lo: int, hi: int, buf: int, dst: int, source: str) -> None:
-        """Copy bytes ``[lo, hi)`` of stored tensor ``rec`` into ``buf`` starting at ``dst``."""
-        if hi <= lo:
-            return
-        cs = rec.chunk_size
-        for i in range(lo // cs, -(-hi // cs)):
-            c0, c1 = rec.chunk_span(i)
-            a, b = max(lo, c0), min(hi, c1)
-            self.copies.append(ChunkCopy(rec.chunks[i], c1 - c0, a - c0, b - c0, buf, dst + (a - lo), source))
-
-    def whole(self, rec: TensorRecord, source: str) -> int:
-        buf = self.buffer(rec.dtype, rec.shape, staging=False)
-        self.copy_bytes(rec, 0, rec.nbytes, buf, 0, source)
-        return buf
-
-    def piece(self, rec: TensorRecord, spec: ShardSpec, src_offsets: tuple[int, ...], want: Box, target: int, target_origin: tuple[int, ...], source: str) -> None:
-        """Fill the part of target buffer ``target`` (whose global origin is ``target_origin``)
-        that stored piece ``rec`` (at ``src_offsets``) overlaps within box ``want``."""
-        inter = []
-        for (w0, w1), o, n in zip(want, src_offsets, rec.shape):
-            a, b = max(w0, o), min(w1, o + n)
-            if b <= a:
-                return
-            inter.append((a, b))
-        item = self.itemsizes[rec.dtype]
-        ndim = len(rec.shape)
-        if ndim == 0:
-            self.copy_bytes(rec, 0, rec.nbytes, target, 0, source)
-            return
-        row = math.prod(rec.shape[1:]) * item
-        r0, r1 = inter[0][0] - src_offsets[0], inter[0][1] - src_offsets[0]
-        tgt_shape = self.buffers[target].shape
-        full_rows_src = all(inter[d] == (src_offsets[d], src_offsets[d] + rec.shape[d]) for d in range(1, ndim))
-        full_rows_dst = all(
-            inter[d] == (target_origin[d], target_origin[d] + tgt_shape[d]) for d in range(1, ndim)
-        )
-        if full_rows_src and full_rows_dst:
-            dst = (inter[0][0] - target_origin[0]) * row
-            self.copy_bytes(rec, r0 * row, r1 * row, target, dst, source)
-            return
-        stage = self.buffer(rec.dtype, (r1 - r0, *rec.shape[1:]), staging=True)
-        self.copy_bytes(rec, r0 * row, r1 * row, stage, 0, source)
-        src_box = ((0, r1 - r0),) + tuple((a - o, b - o) for (a, b), o in zip(inter[1:], src_offsets[1:]))
-        dst_box = tuple((a - t, b - t) for (a, b), t in zip(inter, target_origin))
-        self.boxes.append(BoxCopy(stage, src_box, target, dst_box))
+# -- the planner ---------------------------------------------------------------------------------
 
 
 def _source(rank: int, sub_key: str, path: str) -> str:
@@ -291,7 +200,7 @@ def plan_boxes(wanted: Sequence[tuple[Sequence[StoredPiece], Box]], itemsizes: M
     A chunk that several requests need is listed once per place it goes, so the executor
     fetches it once.
     """
-    b = _Builder(itemsizes)
+    b = PlanBuilder(itemsizes)
     for pieces, box in wanted:
         dtypes = {p.record.dtype for p in pieces}
         if len(dtypes) != 1:
@@ -299,21 +208,61 @@ def plan_boxes(wanted: Sequence[tuple[Sequence[StoredPiece], Box]], itemsizes: M
         b.buffer(dtypes.pop(), tuple(hi - lo for lo, hi in box), staging=False)
     for target, (pieces, box) in enumerate(wanted):
         origin = tuple(lo for lo, _ in box)
-        covered = 0
-        for p in pieces:
-            before = len(b.copies) + len(b.boxes)
-            b.piece(p.record, p.record.shard, p.offsets, box, target, origin, p.source)  # type: ignore[arg-type]
-            if len(b.copies) + len(b.boxes) > before:
-                covered += math.prod(
-                    max(0, min(hi, o + n) - max(lo, o)) for (lo, hi), o, n in zip(box, p.offsets, p.record.shape)
-                )
+        covered = sum(b.piece(p.record, p.offsets, box, target, origin, p.source) for p in pieces)
         need = math.prod(hi - lo for lo, hi in box)
-        if covered < need and need and b.buffers[target].nbytes:
+        if covered < need and b.buffers[target].nbytes:
             raise LayoutError(
                 f"{pieces[0].source if pieces else 'a tensor'}: the stored pieces cover only {covered} of the "
                 f"{need} elements of box {list(box)}; a shard is missing"
             )
-    return ReadPlan(tuple(b.buffers), tuple(b.copies), tuple(b.boxes), ())
+    return b.plan()
+
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """Where a target rank sits relative to the saved layout."""
+
+    rank: int
+    coords: dict[str, int]  # in the target layout
+    src: int  # the saved rank at the same coordinates (modulo the saved sizes where they grew)
+    inside: tuple[str, ...]  # saved dims along which the target coordinate existed when saving
+    candidates: tuple[int, ...]  # saved ranks matching the target along every ``inside`` dim
+
+
+class _Saved:
+    """An index of the saved manifests, built once per plan."""
+
+    def __init__(self, manifests: Mapping[tuple[int, str], Manifest], layout: WorldLayout) -> None:
+        self.manifests = manifests
+        self.layout = layout
+        self.ranks = sorted({r for r, _ in manifests})
+        self.coords = {r: layout.coords(r) for r in self.ranks}
+        self.sub_keys = list(dict.fromkeys(k for _, k in manifests))
+        self.holders = {k: [r for r in self.ranks if (r, k) in manifests] for k in self.sub_keys}
+        # every stored piece of each sharded tensor, grouped by placement (replicas share one)
+        self.pieces: dict[tuple[str, str], dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, TensorRecord]]]] = {}
+        for (rank, sub_key), man in sorted(manifests.items(), key=lambda kv: kv[0][0]):
+            for t in man.tensors:
+                if t.shard is not None and t.nbytes:
+                    placed = self.pieces.setdefault((sub_key, t.path), {})
+                    placed.setdefault((t.shard.offsets, t.shape), []).append((rank, t))
+
+    def place(self, rank: int, coords: dict[str, int]) -> _Placement:
+        folded: dict[str, int] = {}
+        inside: list[str] = []
+        for name, size in self.layout.dims:
+            c = coords.get(name, 0)
+            folded[name] = c % size
+            if c < size:
+                inside.append(name)
+        src = self.layout.rank(folded)
+        if len(inside) == len(self.layout.dims):
+            candidates: tuple[int, ...] = (src,)
+        else:
+            candidates = tuple(
+                r for r in self.ranks if all(self.coords[r][d] == coords.get(d, 0) for d in inside)
+            )
+        return _Placement(rank, coords, src, tuple(inside), candidates)
 
 
 def plan_checkout(
@@ -325,101 +274,158 @@ def plan_checkout(
     *,
     fallback: str | None = None,
 ) -> ReadPlan:
-    """Plan a checkout of stored ``manifests`` (keyed by ``(rank, sub_key)``).
+    """Plan a checkout of stored ``manifests`` (keyed by ``(rank, sub_key)``); no I/O.
 
-    With ``target_layout`` None each stored rank gets back exactly what it saved. Otherwise every
-    sharded tensor is cut for the target layout, replicated tensors are handed to every rank, and
-    per-rank values (neither sharded nor the same on every rank) go to the target rank with the
-    same coordinates. ``fallback="modulo"`` lets target ranks whose coordinates did not exist in
-    the source take per-rank values from the source rank at their coordinates modulo its sizes.
+    With ``target_layout`` None each stored rank gets back exactly what it saved. Otherwise
+    every sharded tensor is cut for each target rank of ``target_layout`` (all of them, or
+    ``target_ranks``), reading only the chunks that overlap the rank's box; replicated values go
+    to every rank; per-rank values follow the module's rules, with ``fallback`` (None or
+    ``"modulo"``) for target ranks the saved layout had no counterpart of.
     """
-    b = _Builder(itemsizes)
-    entries: list[TargetEntry] = []
+    b = PlanBuilder(itemsizes)
     if target_layout is None:
-        for (rank, sub_key), man in sorted(manifests.items()):
+        for (rank, sub_key), man in sorted(manifests.items(), key=lambda kv: kv[0][0]):
             if target_ranks is not None and rank not in target_ranks:
                 continue
             bufs = tuple(b.whole(t, _source(rank, sub_key, t.path)) for t in man.tensors)
-            entries.append(TargetEntry(rank, sub_key, man.tree, bufs, f"rank {rank}, {sub_key}"))
-        return ReadPlan(tuple(b.buffers), tuple(b.copies), tuple(b.boxes), tuple(entries))
-
-    if fallback not in (None, "modulo"):
+            b.entries.append(TargetEntry(rank, sub_key, man.tree, bufs, f"rank {rank}, {sub_key}"))
+        return b.plan()
+    if fallback not in FALLBACKS:
         raise LayoutError(f"unknown fallback {fallback!r}: use None or 'modulo'")
-    src_ranks = sorted({r for r, _ in manifests})
-    sub_keys = list(dict.fromkeys(k for _, k in sorted(manifests)))
-    ranks = list(range(target_layout.world_size)) if target_ranks is None else list(target_ranks)
-    # all stored pieces of each sharded tensor, deduplicated by offsets (replicas are equal)
-    pieces: dict[tuple[str, str], dict[tuple[int, ...], tuple[int, TensorRecord]]] = {}
-    replicas: dict[tuple[str, str], set[tuple[bytes, ...]]] = {}
-    trees: dict[str, set[str]] = {}
-    for (rank, sub_key), man in manifests.items():
-        trees.setdefault(sub_key, set()).add(json.dumps(man.tree))
-        for t in man.tensors:
-            if t.shard is not None:
-                pieces.setdefault((sub_key, t.path), {}).setdefault(t.shard.offsets, (rank, t))
-            else:
-                replicas.setdefault((sub_key, t.path), set()).add((t.dtype.encode(), *t.chunks, str(t.shape).encode()))
-
+    saved = _Saved(manifests, source_layout)
+    ranks = range(target_layout.world_size) if target_ranks is None else target_ranks
     for r in ranks:
-        coords = target_layout.coords(r)
-        exact: dict[str, int] = {}
-        folded: dict[str, int] = {}
-        inside = True
-        for name, size in source_layout.dims:
-            c = coords.get(name, 0)
-            exact[name] = c
-            folded[name] = c % size
-            if c >= size:
-                inside = False
-        src = source_layout.rank(folded)
-        for sub_key in sub_keys:
-            man = manifests.get((src, sub_key))
-            if man is None:
-                src_any = next((s for s in src_ranks if (s, sub_key) in manifests), None)
-                if src_any is None:
-                    continue
-                man = manifests[(src_any, sub_key)]
-                src_here = src_any
-            else:
-                src_here = src
-            if not inside and fallback is None and len(trees[sub_key]) > 1:
-                raise LayoutError(
-                    f"target rank {r} ({coords}) has no counterpart in the saved layout "
-                    f"{source_layout.mesh}, and the ranks saved different {sub_key} structures or values; "
-                    "pass fallback='modulo' to take them from the rank at the same coordinates modulo the "
-                    "saved sizes"
-                )
-            bufs = []
-            for t in man.tensors:
-                source = _source(src_here, sub_key, t.path)
-                if t.shard is None:
-                    if not inside and fallback is None and len(replicas.get((sub_key, t.path), ())) > 1:
-                        raise LayoutError(
-                            f"target rank {r} ({coords}): key {t.path!r} of {sub_key} differs between saved "
-                            f"ranks and is not sharded, and no saved rank has coordinates {coords}; pass "
-                            "fallback='modulo' to take it from the saved rank at coordinates modulo the "
-                            "saved sizes"
-                        )
-                    bufs.append(b.whole(t, source))
-                    continue
-                spec = t.shard
-                box = target_box(spec, target_layout, coords)
-                shape = tuple(hi - lo for lo, hi in box)
-                buf = b.buffer(t.dtype, shape, staging=False)
-                origin = tuple(lo for lo, _ in box)
-                covered = 0
-                for offsets, (prank, prec) in sorted(pieces[(sub_key, t.path)].items()):
-                    before = len(b.copies) + len(b.boxes)
-                    b.piece(prec, spec, offsets, box, buf, origin, _source(prank, sub_key, t.path))
-                    if len(b.copies) + len(b.boxes) > before:
-                        covered += math.prod(
-                            max(0, min(hi, o + n) - max(lo, o)) for (lo, hi), o, n in zip(box, offsets, prec.shape)
-                        )
-                if covered < math.prod(shape):
-                    raise LayoutError(
-                        f"{sub_key}, key {t.path!r}: the saved pieces cover only {covered} of the "
-                        f"{math.prod(shape)} elements that target rank {r} needs; a shard is missing"
-                    )
-                bufs.append(buf)
-            entries.append(TargetEntry(r, sub_key, man.tree, tuple(bufs), f"rank {src_here}, {sub_key}"))
-    return ReadPlan(tuple(b.buffers), tuple(b.copies), tuple(b.boxes), tuple(entries))
+        place = saved.place(r, target_layout.coords(r))
+        for sub_key in saved.sub_keys:
+            _plan_entry(b, saved, target_layout, place, sub_key, fallback)
+    return b.plan()
+
+
+def _plan_entry(
+    b: PlanBuilder,
+    saved: _Saved,
+    target: WorldLayout,
+    place: _Placement,
+    sub_key: str,
+    fallback: str | None,
+) -> None:
+    manifests = saved.manifests
+    eligible = [s for s in place.candidates if (s, sub_key) in manifests]
+    if not eligible:  # saved only by ranks elsewhere in the mesh (rank 0 alone, say)
+        eligible = saved.holders[sub_key]
+    chosen = place.src if (place.src, sub_key) in manifests else eligible[0]
+    man = manifests[(chosen, sub_key)]
+    strict = fallback is None and len(eligible) > 1
+    if strict:
+        for other in eligible:
+            where = _tree_difference(man.tree, manifests[(other, sub_key)].tree)
+            if where is not None:
+                raise _no_source(saved, place, sub_key, where, eligible)
+    bufs = []
+    for i, t in enumerate(man.tensors):
+        if t.shard is None:
+            if strict:
+                for other in eligible:
+                    o = manifests[(other, sub_key)].tensors[i]
+                    if (o.dtype, o.shape, o.chunks, o.shard) != (t.dtype, t.shape, t.chunks, None):
+                        raise _no_source(saved, place, sub_key, t.path, eligible)
+            bufs.append(b.whole(t, _source(chosen, sub_key, t.path)))
+        else:
+            bufs.append(_cut(b, saved, target, place, sub_key, t, fallback))
+    b.entries.append(TargetEntry(place.rank, sub_key, man.tree, tuple(bufs), f"rank {chosen}, {sub_key}"))
+
+
+def _cut(
+    b: PlanBuilder,
+    saved: _Saved,
+    target: WorldLayout,
+    place: _Placement,
+    sub_key: str,
+    t: TensorRecord,
+    fallback: str | None,
+) -> int:
+    """A target buffer with the target rank's box of sharded tensor ``t``, filled from every
+    stored piece that overlaps it."""
+    assert t.shard is not None
+    box = target_box(t.shard, target, place.coords)
+    shape = tuple(hi - lo for lo, hi in box)
+    buf = b.buffer(t.dtype, shape, staging=False)
+    origin = tuple(lo for lo, _ in box)
+    split = {m for _, m in t.shard.splits}
+    free = [d for d, _ in saved.layout.dims if d not in split]
+    need = math.prod(shape)
+    covered = 0
+    for (offsets, pshape), group in saved.pieces.get((sub_key, t.path), {}).items() if need else ():
+        if any(min(hi, o + n) <= max(lo, o) for (lo, hi), o, n in zip(box, offsets, pshape)):
+            continue
+        rank, rec = _pick_replica(saved, place, sub_key, t.path, group, free, fallback)
+        covered += b.piece(rec, offsets, box, buf, origin, _source(rank, sub_key, t.path))
+    if covered < need:
+        raise LayoutError(
+            f"{sub_key}, key {t.path!r}: the saved pieces cover only {covered} of the {need} "
+            f"elements that target rank {place.rank} ({place.coords}) needs; a shard is missing from the "
+            "checkpoint"
+        )
+    return buf
+
+
+def _pick_replica(
+    saved: _Saved,
+    place: _Placement,
+    sub_key: str,
+    path: str,
+    group: list[tuple[int, TensorRecord]],
+    free: list[str],
+    fallback: str | None,
+) -> tuple[int, TensorRecord]:
+    """The stored piece to read among those saved at the same offsets by different ranks.
+
+    Replicas are normally equal (and then any will do). When they differ (say each tensor-parallel
+    rank partitions its own flat buffer over ``dp``), take the one saved at the target's
+    coordinates along the dims that do not split the tensor."""
+    if len(group) == 1 or len({rec.chunks for _, rec in group}) == 1:
+        return group[0]
+    src = saved.coords[place.src] if place.src in saved.coords else saved.layout.coords(place.src)
+
+    def at(rank: int, dims: Sequence[str], want: Mapping[str, int]) -> bool:
+        return all(saved.coords[rank][d] == want.get(d, 0) for d in dims)
+
+    exact = [g for g in group if at(g[0], [d for d in free if d in place.inside], place.coords)]
+    if fallback is None and len({rec.chunks for _, rec in exact}) != 1:
+        raise _no_source(saved, place, sub_key, path, [g[0] for g in exact] or [g[0] for g in group])
+    preferred = [g for g in group if at(g[0], free, src)]
+    return (preferred or exact or group)[0]
+
+
+def _no_source(saved: _Saved, place: _Placement, sub_key: str, path: str, ranks: Sequence[int]) -> LayoutError:
+    return LayoutError(
+        f"target rank {place.rank} ({place.coords}): {sub_key} key {path!r} is neither sharded nor the "
+        f"same on the saved ranks {list(ranks)} that could provide it, and the saved layout "
+        f"{saved.layout.mesh} has no rank at these coordinates; pass fallback='modulo' to take it from "
+        "the saved rank at the same coordinates modulo the saved sizes"
+    )
+
+
+def _tree_difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> str | None:
+    """The key path of the first difference between two encoded trees, or None when equal."""
+    if a == b:
+        return None
+    if isinstance(a, list) and isinstance(b, list) and a[:1] == b[:1] and a[:1] in (["d"], ["l"], ["t"]):
+        xs, ys = a[1], b[1]
+        if a[0] == "d":
+            if [k for k, _ in xs] != [k for k, _ in ys]:
+                return _path_str(path)
+            pairs = [((*path, k[1] if len(k) > 1 else None), x, y) for (k, x), (_, y) in zip(xs, ys)]
+        else:
+            if len(xs) != len(ys):
+                return _path_str(path)
+            pairs = [((*path, i), x, y) for i, (x, y) in enumerate(zip(xs, ys))]
+        for p, x, y in pairs:
+            found = _tree_difference(x, y, p)
+            if found is not None:
+                return found
+    return _path_str(path)
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "/".join(str(k) for k in path) if path else "<root>"

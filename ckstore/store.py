@@ -93,28 +93,28 @@ class Store:
 
         The checkpoint becomes visible atomically once every chunk is durable. Inside an
         initialized ``torch.distributed`` job (or with ``process_group``) this is a collective:
-        each rank passes its own states and every rank returns the same record.
+        each rank passes ``{its rank: states}``, writes its own chunks, and every rank returns
+        the same record (or raises :class:`~ckstore.DistributedCommitError`); rank 0's metrics
+        and tags are recorded. A tensor may be one piece of a global tensor, declared with
+        :class:`~ckstore.Shard` or read from a DTensor's placements; ``world_layout`` names the
+        job's mesh (by default the DTensors' device mesh, else every rank along ``dp``).
         ``progress(done_bytes, total_bytes)`` is called as chunks are written.
         """
-        run_name = self._run_for_commit(run)
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StoreConfigError(f"step must be a non-negative int, got {step!r}")
-        check_name("kind", kind) if kind else None
-        clean_metrics = _check_metrics(metrics)
-        for t in tags:
-            check_name("tag", t)
         from .integrations import distributed as _dist
+        from .integrations.dtensor import DTensorLeaves, default_layout
 
         group = _dist.active_group(process_group)
-        if group is not None:
+        if group is not None:  # arguments are checked inside, where every rank learns the outcome
             record: Checkpoint = _dist.commit_collective(
-                self, group, step, rank_states, clean_metrics,
-                tags=tuple(tags), kind=kind, run=run_name, replace=replace, world_layout=world_layout,
-                allow_pickle=allow_pickle, parent=parent,
+                self, group, step, rank_states, metrics,
+                tags=tuple(tags), kind=kind, run=run, replace=replace, world_layout=world_layout,
+                allow_pickle=allow_pickle, parent=parent, progress=progress,
             )  # fmt: skip
             return record
-        entries = _commit.prepare_entries(rank_states, allow_pickle=allow_pickle)
-        layout = world_layout or WorldLayout.flat(max(e.rank for e in entries) + 1)
+        run_name, clean_metrics = self._check_commit(step, metrics, tags, kind, run)
+        hook = DTensorLeaves()
+        entries = _commit.prepare_entries(rank_states, allow_pickle=allow_pickle, tensor_hook=hook)
+        layout = world_layout or default_layout(hook, max(e.rank for e in entries) + 1)
         for e in entries:
             layout.coords(e.rank)  # a rank outside the layout is an error
         specs = _commit.resolve_entry_shards(entries, layout)
@@ -122,6 +122,19 @@ class Store:
         return self._commit_prepared(
             run_name, step, entries, specs, layout, clean_metrics, tuple(tags), kind, replace, parent_id, progress
         )
+
+    def _check_commit(
+        self, step: int, metrics: Mapping[str, float] | None, tags: Sequence[str], kind: str, run: str | None
+    ) -> tuple[str, dict[str, float]]:
+        """The run name and clean metrics of a commit, or an error naming the bad argument."""
+        run_name = self._run_for_commit(run)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StoreConfigError(f"step must be a non-negative int, got {step!r}")
+        check_name("kind", kind) if kind else None
+        clean_metrics = _check_metrics(metrics)
+        for t in tags:
+            check_name("tag", t)
+        return run_name, clean_metrics
 
     def _run_for_commit(self, run: str | None) -> str:
         name = run or self.run
@@ -220,7 +233,7 @@ class Store:
         ckpt = self.resolve(ref, run=run)
         group = _dist.active_group(process_group)
         if group is not None and ranks is None:
-            ranks = [_dist.group_rank(group)]
+            ranks = _dist.own_ranks(group, world_layout)
         return self.load(
             ckpt, world_layout, ranks=ranks, sub_keys=sub_keys, allow_pickle=allow_pickle, fallback=fallback,
             device=device,

@@ -90,3 +90,17 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generat
     if dtype == torch.bool:
         raw = raw % 2
     return raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+
+
+def expected_piece(g: torch.Tensor, splits: Any, layout: Any, coords: dict[str, int]) -> torch.Tensor:
+    """A target rank's piece of global tensor ``g`` split by ``splits`` ((tensor dim, mesh dim)
+    pairs) in ``layout``: torch.chunk nested in mesh order (DTensor's Shard semantics), written
+    independently of ckstore's planner."""
+    order = [n for n, _ in layout.dims]
+    t = g
+    for d in range(g.dim()):
+        for m in sorted((m for dd, m in splits if dd == d and m in order), key=order.index):
+            parts = torch.chunk(t, layout.size(m), d) if t.shape[d] else ()
+            c = coords[m]
+            t = parts[c] if c < len(parts) else t.narrow(d, t.shape[d], 0)
+    return t

@@ -9,6 +9,9 @@ Call order of a commit (one process, or rank 0 of a distributed commit)::
     begin_checkpoint  →  claim_chunks  →  (register_pack → write the pack → add_chunks)*
                       →  finish_checkpoint          (or abort_checkpoint on failure)
 
+A collective commit registers every rank's packs at once (``register_packs``) before the ranks
+write them, and records their chunks (``add_packs``) once every rank is done.
+
 ``heartbeat`` may be called from another thread at any time in between. Every method is safe to
 call from many processes at once; ``docs/format.md`` explains why garbage collection running at
 the same time never deletes a chunk a commit relies on.
@@ -405,40 +408,60 @@ class Catalog:
             res = conn.execute(P.insert().values(key=key, size=0, created_at=utcnow(), owner_checkpoint_id=ckpt_id))
             return int(res.inserted_primary_key[0])  # type: ignore[index]
 
+    def register_packs(self, ckpt_id: int, owner: Owner, keys: Sequence[str]) -> list[int]:
+        """:meth:`register_pack` for many keys in one transaction (a collective commit records
+        every rank's packs up front); returns their ids in order."""
+        ids = []
+        with self._write(lock="shared") as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            now = utcnow()
+            for key in keys:
+                res = conn.execute(P.insert().values(key=key, size=0, created_at=now, owner_checkpoint_id=ckpt_id))
+                ids.append(int(res.inserted_primary_key[0]))
+        return ids
+
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
         (a chunk another commit recorded first is referenced there instead)."""
+        return self.add_packs(ckpt_id, owner, [(pack_id, pack_size, chunks)])
+
+    def add_packs(
+        self, ckpt_id: int, owner: Owner, packs: Sequence[tuple[int, int, Sequence[NewChunk]]]
+    ) -> int:
+        """:meth:`add_chunks` for many written packs ``(pack_id, pack_size, chunks)`` in one
+        transaction (a collective commit records every rank's packs at once)."""
         added = 0
         with self._write(lock="shared") as conn:
             self._own_pending(conn, ckpt_id, owner)
-            conn.execute(update(P).where(P.c.id == pack_id).values(size=pack_size))
-            for batch in _batches(list(chunks)):
-                conn.execute(
-                    self._insert(K)
-                    .values(
-                        [
-                            {
-                                "digest": c.digest,
-                                "pack_id": pack_id,
-                                "offset": c.offset,
-                                "length": c.length,
-                                "raw_size": c.raw_size,
-                                "codec": c.codec,
-                            }
-                            for c in batch
-                        ]
+            for pack_id, pack_size, chunks in packs:
+                conn.execute(update(P).where(P.c.id == pack_id).values(size=pack_size))
+                for batch in _batches(list(chunks)):
+                    conn.execute(
+                        self._insert(K)
+                        .values(
+                            [
+                                {
+                                    "digest": c.digest,
+                                    "pack_id": pack_id,
+                                    "offset": c.offset,
+                                    "length": c.length,
+                                    "raw_size": c.raw_size,
+                                    "codec": c.codec,
+                                }
+                                for c in batch
+                            ]
+                        )
+                        .on_conflict_do_nothing(index_elements=["digest"])
                     )
-                    .on_conflict_do_nothing(index_elements=["digest"])
-                )
-                rows = conn.execute(
-                    select(K.c.id, K.c.pack_id, K.c.length).where(K.c.digest.in_([c.digest for c in batch]))
-                ).all()
-                conn.execute(
-                    self._insert(R)
-                    .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
-                    .on_conflict_do_nothing()
-                )
-                added += sum(int(r.length) for r in rows if r.pack_id == pack_id)
+                    rows = conn.execute(
+                        select(K.c.id, K.c.pack_id, K.c.length).where(K.c.digest.in_([c.digest for c in batch]))
+                    ).all()
+                    conn.execute(
+                        self._insert(R)
+                        .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
+                        .on_conflict_do_nothing()
+                    )
+                    added += sum(int(r.length) for r in rows if r.pack_id == pack_id)
         return added
 
     def finish_checkpoint(

@@ -1,0 +1,217 @@
+"""Collective commit and checkout in real multi-process torch.distributed jobs (gloo, CPU).
+
+Each job is a set of subprocesses running tests/_dist_job.py; a job that does not finish within
+its timeout is killed and fails the test, so a hang can never pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dist_job import DT_NAMES, SAVED, check_step1, dt_splits, global_tensors
+from helpers import bits, expected_piece
+
+import ckstore
+from ckstore import WorldLayout
+from ckstore.integrations.distributed import _packs_needed, assign_writers, failure_message
+
+pytestmark = pytest.mark.distributed
+
+JOB = Path(__file__).with_name("_dist_job.py")
+ROOT = Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(scenario: str, world: int, store: Path, tmp: Path, timeout: float = 90) -> list[dict[str, Any]]:
+    """Run one job of ``world`` ranks; returns each rank's report (None for a rank that died)."""
+    out = tmp / f"out-{scenario}"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    port = _free_port()
+    args = [str(store), str(port)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), scenario, *args, str(r), str(world), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"job {scenario!r} of {world} ranks hung for {timeout}s")
+    reports = []
+    for r, p in enumerate(procs):
+        f = out / f"rank{r}.json"
+        reports.append(json.loads(f.read_text()) if f.exists() else None)
+        if scenario != "kill" or r != 2:
+            assert p.returncode == 0, f"rank {r} of job {scenario!r} failed:\n{logs[r][-4000:]}"
+    return reports
+
+
+@pytest.fixture
+def dstore(tmp_path: Path) -> Path:
+    path = tmp_path / "store"
+    ckstore.open(path, run="exp", chunk_size=64 * 1024, pack_size=1024 * 1024).close()
+    return path
+
+
+def test_commit_on_4_ranks_and_reshard_to_other_jobs(dstore: Path, tmp_path: Path) -> None:
+    reports = run_job("main", 4, dstore, tmp_path)
+    assert all(r["ok"] for r in reports)
+    assert "target rank 2" in reports[2]["tp4_error"] and "fallback='modulo'" in reports[2]["tp4_error"]
+    run_job("tp2", 2, dstore, tmp_path)
+
+    g = global_tensors()
+    with ckstore.open(dstore, run="exp") as store:
+        ck = store.resolve(1)
+        assert ck.world_layout == SAVED and ck.ranks == (0, 1, 2, 3)
+        # replicated tensors were written once: the bytes stored are about one copy of every
+        # global tensor (random bits do not compress), not one per data-parallel rank
+        once = sum(g[n].nbytes for n in ("qkv", "proj", "emb", "flat"))
+        assert once <= ck.stored_bytes_added <= once * 1.02 + 64 * 1024
+        full = store.checkout(1, world_layout=WorldLayout.single())
+        assert list(full) == [0]
+        check_step1(full[0], g, WorldLayout.single(), 0)
+        assert full[0]["optim_states"]["rng"].tolist() == [0, 1000]
+        dt = store.checkout(2, world_layout=WorldLayout.single())[0]["model_states"]
+        for name in DT_NAMES:
+            assert bits(dt[name]) == bits(g[name]), name
+        assert store.resolve(2).world_layout == SAVED
+        # one process may also check out any ranks of another layout
+        some = store.checkout(2, world_layout=WorldLayout({"dp": 2, "tp": 4}), ranks=[5])
+        lay = WorldLayout({"dp": 2, "tp": 4})
+        for name in DT_NAMES:
+            want = expected_piece(g[name], dt_splits(name), lay, lay.coords(5))
+            assert bits(some[5]["model_states"][name]) == bits(want), name
+
+
+def test_a_failing_rank_fails_every_rank_and_commits_nothing(dstore: Path, tmp_path: Path) -> None:
+    reports = run_job("fail", 4, dstore, tmp_path)
+    for r in reports:
+        assert r["ok"] and r["final"] == 3
+        assert "failed on rank 1: UnsupportedValueError: rank 1, extra, key 'obj'" in r["early"], r["early"]
+        assert "failed on rank 2: OSError: injected write failure on rank 2;" in r["mid"], r["mid"]
+        assert "run 'exp', step 3" in r["mid"] and "nothing was committed" in r["mid"]
+        assert "failed on rank 0: AlreadyExistsError" in r["exists"], r["exists"]
+        assert "ranks disagree" in r["disagree"] and "rank 3 commits run 'exp', step 6" in r["disagree"]
+        assert "failed on ranks 0, 1, 2, 3: UnsupportedValueError" in r["partial"], r["partial"]
+        assert "placement Partial" in r["partial"] and "redistribute" in r["partial"]
+        assert "mesh without dim names" in r["unnamed"], r["unnamed"]
+    with ckstore.open(dstore, run="exp") as store:
+        assert [c.step for c in store.checkpoints()] == [3, 4]
+        assert store.catalog.pending() == []
+        g = global_tensors()
+        full = store.checkout(3, world_layout=WorldLayout.single())[0]
+        check_step1(full, g, WorldLayout.single(), 0)
+
+
+def test_a_killed_rank_fails_the_others_without_hanging(dstore: Path, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    reports = run_job("kill", 4, dstore, tmp_path)
+    assert reports[2] is None  # it died before reporting
+    for r in (0, 1, 3):
+        assert reports[r]["ok"] and "nothing was committed" in reports[r]["killed"], reports[r]
+    assert time.monotonic() - t0 < 60
+    with ckstore.open(dstore, run="exp") as store:
+        assert store.checkpoints() == []
+        assert store.catalog.pending() == []  # rank 0 aborted its pending checkpoint
+
+
+# -- the pure parts of the collective commit ----------------------------------------------------
+
+
+def _d(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_assign_writers_writes_each_chunk_once_and_balances_replicas() -> None:
+    n = 64
+    replicated = [(_d(i), 100) for i in range(n)]
+    holdings = [replicated + [(_d(1000 + r), 100)] for r in range(4)]  # DDP: all replicated
+    missing = {d for h in holdings for d, _ in h} - {_d(3)}  # chunk 3 already stored
+    plan = assign_writers(holdings, missing, run_bytes=800)
+    written = [d for p in plan for d in p]
+    assert sorted(written) == sorted(missing)  # every missing chunk exactly once
+    for r, p in enumerate(plan):
+        assert _d(1000 + r) in p  # a chunk only this rank holds is this rank's
+        held = {d for d, _ in holdings[r]}
+        assert set(p) <= held
+    loads = [len(p) for p in plan]
+    assert max(loads) - min(loads) <= 8, loads  # runs of 8 chunks spread over the 4 ranks
+    # runs keep consecutive chunks with one writer
+    owners = [next(r for r, p in enumerate(plan) if _d(i) in p) for i in range(n) if i != 3]
+    assert sum(a != b for a, b in itertools.pairwise(owners)) <= n // 8 + 1
+
+
+def test_assign_writers_only_picks_holders() -> None:
+    holdings = [[(_d(1), 10), (_d(2), 10)], [(_d(2), 10), (_d(3), 10)], []]
+    plan = assign_writers(holdings, {_d(1), _d(2), _d(3)}, run_bytes=10)
+    assert plan[0][0] == _d(1) and plan[1][-1] == _d(3) and plan[2] == []
+    assert sum(p.count(_d(2)) for p in plan) == 1
+
+
+def test_failure_message_names_every_failing_rank_once() -> None:
+    what = "commit of run 'exp', step 3"
+    assert failure_message(what, {2: "OSError: disk full"}) == (
+        "commit of run 'exp', step 3 failed on rank 2: OSError: disk full; nothing was committed"
+    )
+    msg = failure_message(what, {3: "E: a", 0: "E: b", 1: "E: a"})
+    assert msg == "commit of run 'exp', step 3 failed on ranks 0, 1, 3 (rank 0: E: b; ranks 1, 3: E: a); nothing was committed"
+
+
+def test_pack_slots_bound_what_a_pack_writer_uses(tmp_path: Path) -> None:
+    from ckstore.blobstore import LocalBlobStore
+    from ckstore.codec import encode
+    from ckstore.pack import PackWriter
+
+    blobs = LocalBlobStore(tmp_path, fsync=False)
+    for count, size, pack in [(1, 4096, 4096), (37, 4096, 4096 * 5), (64, 65536, 1 << 20), (10, 100, 1000)]:
+        used: list[str] = []
+
+        def on_open(used: list[str] = used) -> tuple[str, None]:
+            used.append(f"p/{len(used)}")
+            return used[-1], None
+
+        w = PackWriter(blobs, pack, on_open, lambda *a: None)
+        raw = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy()
+        for i in range(count):
+            w.add(_d(i), encode(memoryview(raw), 16), size)
+        w.close()
+        assert len(used) <= _packs_needed(size * count, count, pack), (count, size, pack)
+
+
+def test_single_process_commit_of_many_ranks_records_the_same_sharding(store: ckstore.Store) -> None:
+    from _dist_job import rank_states
+
+    g = global_tensors()
+    ck = store.commit(1, {r: rank_states(r, g) for r in range(4)}, world_layout=SAVED)
+    shard = {t.path: t.shard for t in store.manifests(ck, ranks=[3])[(3, "model_states")].tensors}
+    assert shard["qkv"].global_shape == (96, 640) and shard["qkv"].offsets == (48, 0)
+    assert shard["proj"].splits == ((1, "tp"),) and shard["emb"] is None
+    full = store.checkout(1, world_layout=WorldLayout.single())
+    check_step1(full[0], g, WorldLayout.single(), 0)
