@@ -254,6 +254,10 @@ class Store:
                 )
         # a plain checkout reads only the ranks asked for; resharding needs every rank's manifest
         mans = self.manifests(ckpt, ranks=rank_list if target is None else None, sub_keys=sub_keys)
+        if not mans and ckpt.ranks:
+            raise CheckpointNotFoundError(
+                f"run {ckpt.run!r}, step {ckpt.step} was deleted (by gc or `ckstore rm`) while it was being checked out"
+            )
         sizes = {t.dtype: itemsize(dtype_from_name(t.dtype)) for m in mans.values() for t in m.tensors}
         plan = plan_checkout(mans, ckpt.world_layout, target, rank_list, sizes, fallback=fallback)
         where = f"run {ckpt.run!r}, step {ckpt.step}"
