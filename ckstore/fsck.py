@@ -267,10 +267,10 @@ def check(
         unref_n, unref_b = conn.execute(
             select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(~select(R.c.chunk_id).where(R.c.chunk_id == K.c.id).exists())
         ).one()
-        pend = [
-            PendingCommit(r.name, int(r.step), r.owner, _age(now, r.heartbeat_at), judge_pending(r.owner, r.heartbeat_at, grace, now))
-            for r in pending_rows(conn)
-        ]
+        pend = []
+        for r in pending_rows(conn):
+            verdict = judge_pending(r.owner, r.heartbeat_at, grace, now)
+            pend.append(PendingCommit(r.name, int(r.step), r.owner, _age(now, r.heartbeat_at), verdict and verdict[0]))
         bad = _shallow(catalog, conn, blobs, packs, listing)
         chunks = sum(int(p.n) for p in packs)
         bytes_read = 0

@@ -259,8 +259,9 @@ def apply_policies(conn: Connection, policy: Policy | None, run: str | None, now
 
 
 # -- abandoned commits ---------------------------------------------------------------------------
-def judge_pending(owner: str, heartbeat_at: datetime, grace: float, now: datetime) -> str | None:
-    """Why a pending checkpoint counts as abandoned, or None when it may still be live.
+def judge_pending(owner: str, heartbeat_at: datetime, grace: float, now: datetime) -> tuple[str, bool] | None:
+    """Why a pending checkpoint counts as abandoned, and whether only its silent heartbeat says so
+    (its owner ran elsewhere); None while it may be live.
 
     On this host a live owner is never abandoned and a dead one is at once; elsewhere only a
     heartbeat older than ``grace`` makes it abandoned.
@@ -274,11 +275,11 @@ def judge_pending(owner: str, heartbeat_at: datetime, grace: float, now: datetim
     if here:
         return None
     if here is False:
-        return f"{who} is gone"
+        return f"{who} is gone", False
     hb = heartbeat_at if heartbeat_at.tzinfo else heartbeat_at.replace(tzinfo=now.tzinfo)
     age = (now - hb).total_seconds()
     if age > grace:
-        return f"no heartbeat from {who} for {age:.0f}s (grace {grace:g}s)"
+        return f"no heartbeat from {who} for {age:.0f}s (grace {grace:g}s)", True
     return None
 
 
@@ -301,11 +302,12 @@ def reap_abandoned(conn: Connection, grace: float, now: datetime) -> list[Reaped
     """
     out = []
     for r in pending_rows(conn):
-        why = judge_pending(r.owner, r.heartbeat_at, grace, now)
-        if why is None:
+        verdict = judge_pending(r.owner, r.heartbeat_at, grace, now)
+        if verdict is None:
             continue
+        why, by_heartbeat = verdict
         cond = [C.c.id == r.id, C.c.status == PENDING, C.c.owner == r.owner]
-        if "heartbeat" in why:
+        if by_heartbeat:
             cond.append(C.c.heartbeat_at < now - timedelta(seconds=grace))
         if conn.execute(delete(C).where(*cond)).rowcount:
             out.append(Reaped(r.name, int(r.step), r.owner, why))

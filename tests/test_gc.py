@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same
 from sqlalchemy import select, update
 
 import ckstore
 from ckstore.catalog import Owner, utcnow
-from ckstore.gc import RUNS, C, K, R, TRASH, catalog_write, sweep
+from ckstore.gc import RUNS, TRASH, C, K, R, catalog_write, sweep
 from ckstore.layout import WorldLayout
 from ckstore.retention import BestN, KeepAll, LatestN, Tagged
-from helpers import assert_same
 
 SHARED = torch.arange(200_000, dtype=torch.float32)  # in every checkpoint: its chunks dedup
 
@@ -90,8 +90,8 @@ def test_each_run_keeps_its_stored_policy(store: ckstore.Store) -> None:
     for step in range(1, 5):
         commit(store, step, run="a", kind="recovery" if step % 2 else "epoch")
         commit(store, step, run="b")
-    store.set_policy("a", ByKindPolicy())
-    assert store.policy("a") == ByKindPolicy() and store.policy("b") is None
+    store.set_policy("a", by_kind_policy())
+    assert store.policy("a") == by_kind_policy() and store.policy("b") is None
     report = store.gc()
     assert {r.run: r.source for r in report.runs} == {"a": "stored", "b": "none"}
     assert steps(store, "a") == [2, 3, 4] and steps(store, "b") == [1, 2, 3, 4]
@@ -105,7 +105,7 @@ def test_each_run_keeps_its_stored_policy(store: ckstore.Store) -> None:
     check_all(store)
 
 
-def ByKindPolicy() -> Any:  # noqa: N802 - reads like the policy it builds
+def by_kind_policy() -> Any:
     from ckstore.retention import ByKind
 
     return ByKind("recovery", LatestN(1)) | ByKind("epoch", KeepAll())
