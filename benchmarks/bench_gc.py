@@ -68,7 +68,9 @@ def populate(store: ckstore.Store, checkpoints: int) -> dict[str, int]:
     t0 = time.perf_counter()
     with eng.begin() as conn:
         for r in range(RUNS):
-            conn.execute(text(f"INSERT INTO runs (id, name, created_at) VALUES ({r + 1}, 'run{r}', {now})"))
+            conn.execute(
+                text(f"INSERT INTO runs (id, name, created_at) VALUES ({r + 1}, 'run{r}', {now})")
+            )
         conn.execute(text(
             f"INSERT INTO checkpoints (id, run_id, step, status, kind, created_at, committed_at, heartbeat_at, owner, "
             f"world_layout, logical_bytes, stored_bytes_added) "
@@ -97,7 +99,11 @@ def populate(store: ckstore.Store, checkpoints: int) -> dict[str, int]:
         ))  # fmt: skip
         if d == "postgresql":
             for t in ("runs", "checkpoints", "packs", "chunks"):
-                conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"))
+                conn.execute(
+                    text(
+                        f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"
+                    )
+                )
     with eng.begin() as conn:
         conn.execute(text("ANALYZE"))
         counts = {
@@ -122,14 +128,18 @@ def bench_catalog(backend: str, checkpoints: int, pg_base: str) -> dict[str, Any
             c.execute(text(f'CREATE DATABASE "{dbname}"'))
         catalog = pg_base.rstrip("/") + "/" + dbname
     try:
-        store = ckstore.open(tmp / "store", catalog=catalog, chunk_size=64 * 1024, pack_size=16 * 2**20)
+        store = ckstore.open(
+            tmp / "store", catalog=catalog, chunk_size=64 * 1024, pack_size=16 * 2**20
+        )
         counts = populate(store, checkpoints)
         out: dict[str, Any] = {"backend": backend, **counts}
         t = time.perf_counter()
         store.du()  # over the full catalog
         out["du_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        idle = store.gc(KeepAll())  # drops nothing: the cost of the sweep's scans over 1M references
+        idle = store.gc(
+            KeepAll()
+        )  # drops nothing: the cost of the sweep's scans over 1M references
         out["keep_all_gc_s"] = time.perf_counter() - t
         assert not idle.dropped and idle.chunks_freed == 0
         t = time.perf_counter()
@@ -170,7 +180,9 @@ def bench_end_to_end(commits: int = 40) -> dict[str, Any]:
         store.commit(step, {0: {"model_states": state}}, {"val_loss": 1.0 / (step + 1)})
     commit_s = time.perf_counter() - t
     before = store.du().total
-    packs_before = sum(p.stat().st_size for p in (tmp / "store" / "packs").rglob("*") if p.is_file())
+    packs_before = sum(
+        p.stat().st_size for p in (tmp / "store" / "packs").rglob("*") if p.is_file()
+    )
     t = time.perf_counter()
     report = store.gc(LatestN(2))
     gc_s = time.perf_counter() - t
@@ -188,10 +200,16 @@ def bench_end_to_end(commits: int = 40) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--backends", default="sqlite,postgresql")
     ap.add_argument("--checkpoints", type=int, default=1000)
-    ap.add_argument("--pg", default="postgresql+psycopg://postgres@127.0.0.1:5432/", help="server URL, no database")
+    ap.add_argument(
+        "--pg",
+        default="postgresql+psycopg://postgres@127.0.0.1:5432/",
+        help="server URL, no database",
+    )
     ap.add_argument("--no-e2e", action="store_true")
     args = ap.parse_args()
     rows = [bench_catalog(b, args.checkpoints, args.pg) for b in args.backends.split(",") if b]
@@ -200,7 +218,11 @@ def main() -> None:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        print(
+            "| "
+            + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+            + " |"
+        )
     if not args.no_e2e:
         e = bench_end_to_end()
         mib = 2**20

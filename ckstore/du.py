@@ -57,7 +57,10 @@ def usage(catalog: Catalog, run: str | None = None) -> DuReport:
     with catalog_read(catalog) as conn:
         if catalog.dialect == "postgresql":  # the aggregates below hash ~all references at once
             conn.execute(text("SET LOCAL work_mem = '64MB'"))
-        if run is not None and conn.execute(select(RUNS.c.id).where(RUNS.c.name == run)).first() is None:
+        if (
+            run is not None
+            and conn.execute(select(RUNS.c.id).where(RUNS.c.name == run)).first() is None
+        ):
             raise NotFoundError(f"no run named {run!r} in this store (see `ckstore runs`)")
         # how many checkpoints and runs hold each chunk (any status: a pending commit holds too)
         holders = (
@@ -80,20 +83,33 @@ def usage(catalog: Catalog, run: str | None = None) -> DuReport:
                 func.sum(K.c.length).label("stored"),
                 func.sum(K.c.length).filter(holders.c.n == 1).label("solo"),
             )
-            .select_from(R.join(K, K.c.id == R.c.chunk_id).join(holders, holders.c.chunk_id == R.c.chunk_id))
+            .select_from(
+                R.join(K, K.c.id == R.c.chunk_id).join(holders, holders.c.chunk_id == R.c.chunk_id)
+            )
             .group_by(R.c.checkpoint_id)
             .subquery()
         )
         q = (
             select(RUNS.c.name, C.c.step, C.c.logical_bytes, refs.c.raw, refs.c.stored, refs.c.solo)
-            .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id).outerjoin(refs, refs.c.checkpoint_id == C.c.id))
+            .select_from(
+                C.join(RUNS, RUNS.c.id == C.c.run_id).outerjoin(
+                    refs, refs.c.checkpoint_id == C.c.id
+                )
+            )
             .where(committed)
             .order_by(RUNS.c.id, C.c.step)
         )
         if run is not None:
             q = q.where(RUNS.c.name == run)
         ckpts = tuple(
-            Usage(f"{r.name}@{r.step}", 1, int(r.logical_bytes or 0), int(r.raw or 0), int(r.stored or 0), int(r.solo or 0))
+            Usage(
+                f"{r.name}@{r.step}",
+                1,
+                int(r.logical_bytes or 0),
+                int(r.raw or 0),
+                int(r.stored or 0),
+                int(r.solo or 0),
+            )
             for r in conn.execute(q)
         )
 
@@ -123,13 +139,22 @@ def usage(catalog: Catalog, run: str | None = None) -> DuReport:
             )
         }
         counts = (
-            select(C.c.run_id, func.count().label("n"), func.sum(C.c.logical_bytes).label("logical"))
+            select(
+                C.c.run_id, func.count().label("n"), func.sum(C.c.logical_bytes).label("logical")
+            )
             .where(committed)
             .group_by(C.c.run_id)
             .subquery()
         )
         runs = tuple(
-            Usage(name, int(n or 0), int(logical or 0), stored.get(rid, (0, 0))[0], stored.get(rid, (0, 0))[1], solo.get(rid, 0))
+            Usage(
+                name,
+                int(n or 0),
+                int(logical or 0),
+                stored.get(rid, (0, 0))[0],
+                stored.get(rid, (0, 0))[1],
+                solo.get(rid, 0),
+            )
             for rid, name, n, logical in conn.execute(
                 select(RUNS.c.id, RUNS.c.name, counts.c.n, counts.c.logical)
                 .select_from(RUNS.outerjoin(counts, counts.c.run_id == RUNS.c.id))
@@ -138,13 +163,26 @@ def usage(catalog: Catalog, run: str | None = None) -> DuReport:
         )
 
         # -- the whole store
-        used = select(R.c.chunk_id).select_from(R.join(C, C.c.id == R.c.checkpoint_id)).where(R.c.chunk_id == K.c.id, committed)
-        raw, st = conn.execute(select(func.sum(K.c.raw_size), func.sum(K.c.length)).where(used.exists())).one()
+        used = (
+            select(R.c.chunk_id)
+            .select_from(R.join(C, C.c.id == R.c.checkpoint_id))
+            .where(R.c.chunk_id == K.c.id, committed)
+        )
+        raw, st = conn.execute(
+            select(func.sum(K.c.raw_size), func.sum(K.c.length)).where(used.exists())
+        ).one()
         garbage = conn.execute(
-            select(func.coalesce(func.sum(K.c.length), 0)).where(~select(R.c.chunk_id).where(R.c.chunk_id == K.c.id).exists())
+            select(func.coalesce(func.sum(K.c.length), 0)).where(
+                ~select(R.c.chunk_id).where(R.c.chunk_id == K.c.id).exists()
+            )
         ).scalar_one()
         pack_bytes = conn.execute(select(func.coalesce(func.sum(P.c.size), 0))).scalar_one()
     total = Usage(
-        "(all)", sum(r.checkpoints for r in runs), sum(r.logical_bytes for r in runs), int(raw or 0), int(st or 0), int(st or 0)
+        "(all)",
+        sum(r.checkpoints for r in runs),
+        sum(r.logical_bytes for r in runs),
+        int(raw or 0),
+        int(st or 0),
+        int(st or 0),
     )
     return DuReport(total, runs, ckpts, int(pack_bytes), int(garbage))

@@ -116,7 +116,9 @@ class FsckReport:
         return list(dict.fromkeys(d.ref for d in self.damage))
 
 
-def _verify_pack(blobs: BlobStore, key: str, size: int, chunks: Sequence[Any]) -> tuple[dict[bytes, str], int]:
+def _verify_pack(
+    blobs: BlobStore, key: str, size: int, chunks: Sequence[Any]
+) -> tuple[dict[bytes, str], int]:
     """Read one pack and check every chunk row of it: ``({digest: problem}, bytes read)``."""
     try:
         data = memoryview(blobs.read(key))
@@ -143,7 +145,11 @@ def _verify_pack(blobs: BlobStore, key: str, size: int, chunks: Sequence[Any]) -
 
 
 def _deep(
-    catalog: Catalog, blobs: BlobStore, packs: Sequence[Any], workers: int, progress: Progress | None
+    catalog: Catalog,
+    blobs: BlobStore,
+    packs: Sequence[Any],
+    workers: int,
+    progress: Progress | None,
 ) -> tuple[dict[bytes, tuple[str, str]], int, int]:
     bad: dict[bytes, tuple[str, str]] = {}
     total_read = 0
@@ -152,7 +158,9 @@ def _deep(
     def one(p: Any) -> tuple[Any, dict[bytes, str], int, int]:
         with catalog_read(catalog) as conn:
             rows = conn.execute(
-                select(K.c.digest, K.c.offset, K.c.length, K.c.raw_size).where(K.c.pack_id == p.id).order_by(K.c.offset)
+                select(K.c.digest, K.c.offset, K.c.length, K.c.raw_size)
+                .where(K.c.pack_id == p.id)
+                .order_by(K.c.offset)
             ).all()
         found, n = _verify_pack(blobs, p.key, int(p.size), rows)
         if found and not blobs.exists(p.key):
@@ -173,7 +181,11 @@ def _deep(
 
 
 def _shallow(
-    catalog: Catalog, conn: Any, blobs: BlobStore, packs: Sequence[Any], listing: Mapping[str, tuple[int, float | None]]
+    catalog: Catalog,
+    conn: Any,
+    blobs: BlobStore,
+    packs: Sequence[Any],
+    listing: Mapping[str, tuple[int, float | None]],
 ) -> dict[bytes, tuple[str, str]]:
     """Chunks whose pack object is missing, or too short for them.
 
@@ -186,15 +198,32 @@ def _shallow(
         if p.key not in listing:
             if blobs.exists(p.key):
                 continue
-            flagged.append((p, select(K.c.digest).where(K.c.pack_id == p.id), f"pack object {p.key} is missing"))
+            flagged.append(
+                (
+                    p,
+                    select(K.c.digest).where(K.c.pack_id == p.id),
+                    f"pack object {p.key} is missing",
+                )
+            )
         elif listing[p.key][0] < int(p.end):
             size = listing[p.key][0]
             q = select(K.c.digest).where(K.c.pack_id == p.id, K.c.offset + K.c.length > size)
-            flagged.append((p, q, f"pack object {p.key} is {size} bytes, shorter than its chunks need ({p.end})"))
+            flagged.append(
+                (
+                    p,
+                    q,
+                    f"pack object {p.key} is {size} bytes, shorter than its chunks need ({p.end})",
+                )
+            )
     if not flagged:
         return {}
     with catalog_read(catalog) as fresh:
-        still = {i for (i,) in fresh.execute(select(P.c.id).where(P.c.id.in_([p.id for p, _, _ in flagged])))}
+        still = {
+            i
+            for (i,) in fresh.execute(
+                select(P.c.id).where(P.c.id.in_([p.id for p, _, _ in flagged]))
+            )
+        }
     bad: dict[bytes, tuple[str, str]] = {}
     for p, q, why in flagged:
         if p.id in still:
@@ -203,7 +232,9 @@ def _shallow(
     return bad
 
 
-def _walk_manifests(conn: Any, ckpts: Sequence[Any], bad: Mapping[bytes, tuple[str, str]]) -> tuple[list[Damage], set[bytes]]:
+def _walk_manifests(
+    conn: Any, ckpts: Sequence[Any], bad: Mapping[bytes, tuple[str, str]]
+) -> tuple[list[Damage], set[bytes]]:
     """Damage per (checkpoint, rank, key, tensor, chunk), and the damaged digests in use."""
     damage: list[Damage] = []
     used_bad: set[bytes] = set()
@@ -211,24 +242,41 @@ def _walk_manifests(conn: Any, ckpts: Sequence[Any], bad: Mapping[bytes, tuple[s
         refs = {
             bytes(d)
             for (d,) in conn.execute(
-                select(K.c.digest).select_from(R.join(K, K.c.id == R.c.chunk_id)).where(R.c.checkpoint_id == ck.id)
+                select(K.c.digest)
+                .select_from(R.join(K, K.c.id == R.c.chunk_id))
+                .where(R.c.checkpoint_id == ck.id)
             )
         }
         entries = conn.execute(
-            select(E.c.rank, E.c.sub_key, E.c.manifest).where(E.c.checkpoint_id == ck.id).order_by(E.c.rank, E.c.id)
+            select(E.c.rank, E.c.sub_key, E.c.manifest)
+            .where(E.c.checkpoint_id == ck.id)
+            .order_by(E.c.rank, E.c.id)
         )
         for e in entries:
             try:
                 man = Manifest.from_bytes(bytes(e.manifest))
             except IntegrityError as err:
-                damage.append(Damage(ck.name, int(ck.step), int(e.rank), e.sub_key, "", "", "", str(err)))
+                damage.append(
+                    Damage(ck.name, int(ck.step), int(e.rank), e.sub_key, "", "", "", str(err))
+                )
                 continue
             for t in man.tensors:
                 for d in dict.fromkeys(t.chunks):
                     if d in bad:
                         used_bad.add(d)
                         key, why = bad[d]
-                        damage.append(Damage(ck.name, int(ck.step), int(e.rank), e.sub_key, t.path, d.hex(), key, why))
+                        damage.append(
+                            Damage(
+                                ck.name,
+                                int(ck.step),
+                                int(e.rank),
+                                e.sub_key,
+                                t.path,
+                                d.hex(),
+                                key,
+                                why,
+                            )
+                        )
                     elif d not in refs:
                         damage.append(
                             Damage(
@@ -257,25 +305,41 @@ def check(
 
     with catalog_read(catalog) as conn:
         packs = conn.execute(
-            select(P.c.id, P.c.key, P.c.size, func.max(K.c.offset + K.c.length).label("end"), func.count().label("n"))
+            select(
+                P.c.id,
+                P.c.key,
+                P.c.size,
+                func.max(K.c.offset + K.c.length).label("end"),
+                func.count().label("n"),
+            )
             .select_from(P.join(K, K.c.pack_id == P.c.id))
             .group_by(P.c.id, P.c.key, P.c.size)
             .order_by(P.c.id)
         ).all()
-        known = {k for (k,) in conn.execute(select(P.c.key))} | {k for (k,) in conn.execute(select(TRASH.c.key))}
+        known = {k for (k,) in conn.execute(select(P.c.key))} | {
+            k for (k,) in conn.execute(select(TRASH.c.key))
+        }
         trash = int(conn.execute(select(func.count()).select_from(TRASH)).scalar_one())
         unref_n, unref_b = conn.execute(
-            select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(~select(R.c.chunk_id).where(R.c.chunk_id == K.c.id).exists())
+            select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(
+                ~select(R.c.chunk_id).where(R.c.chunk_id == K.c.id).exists()
+            )
         ).one()
         pend = []
         for r in pending_rows(conn):
             verdict = judge_pending(r.owner, r.heartbeat_at, grace, now)
-            pend.append(PendingCommit(r.name, int(r.step), r.owner, _age(now, r.heartbeat_at), verdict and verdict[0]))
+            pend.append(
+                PendingCommit(
+                    r.name, int(r.step), r.owner, _age(now, r.heartbeat_at), verdict and verdict[0]
+                )
+            )
         bad = _shallow(catalog, conn, blobs, packs, listing)
         chunks = sum(int(p.n) for p in packs)
         bytes_read = 0
         if deep:
-            more, bytes_read, _ = _deep(catalog, blobs, [p for p in packs if p.key in listing], workers, progress)
+            more, bytes_read, _ = _deep(
+                catalog, blobs, [p for p in packs if p.key in listing], workers, progress
+            )
             for d, v in more.items():
                 bad.setdefault(d, v)
         ckpts = conn.execute(

@@ -42,8 +42,8 @@ __all__ = [
     "DEFAULT_GRACE",
     "PACK_PREFIX",
     "Candidate",
+    "Decision",
     "GcReport",
-    "KeptCheckpoint",
     "Progress",
     "Reaped",
     "RunRetention",
@@ -59,7 +59,6 @@ _BATCH = 500
 
 #: ``progress(phase, done, total)``; ``total`` is 0 while unknown.
 Progress = Callable[[str, int, int], None]
-
 
 
 def _table(name: str) -> Table:
@@ -94,7 +93,9 @@ def catalog_read(catalog: Catalog) -> Iterator[Connection]:
             with conn.begin():
                 yield conn
     except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
-        raise CatalogError(f"reading catalog {redact(catalog.url)} failed: {e.orig if e.orig is not None else e}") from e
+        raise CatalogError(
+            f"reading catalog {redact(catalog.url)} failed: {e.orig if e.orig is not None else e}"
+        ) from e
 
 
 # -- report types -------------------------------------------------------------------------------
@@ -112,7 +113,9 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
-class KeptCheckpoint:
+class Decision:
+    """A checkpoint a policy kept (with the reasons) or dropped (no reasons)."""
+
     step: int
     kind: str
     reasons: tuple[str, ...]
@@ -125,8 +128,8 @@ class RunRetention:
     run: str
     policy: str | None  # description; None: the run has no policy and keeps everything
     source: str  # "given" (this call), "stored" (the run's own) or "none"
-    kept: tuple[KeptCheckpoint, ...]
-    dropped: tuple[KeptCheckpoint, ...]  # reasons empty
+    kept: tuple[Decision, ...]
+    dropped: tuple[Decision, ...]  # reasons empty
     unranked: tuple[tuple[int, tuple[str, ...]], ...]  # (step, metrics it lacks), kept for that
 
 
@@ -177,23 +180,25 @@ def load_candidates(conn: Connection, run: str | None) -> dict[str, list[Candida
     cond = [C.c.status == COMMITTED]
     if run is not None:
         cond.append(RUNS.c.name == run)
-    base = C.join(RUNS, RUNS.c.id == C.c.run_id)
+    ckpts = C.join(RUNS, RUNS.c.id == C.c.run_id)
     rows = conn.execute(
         select(C.c.id, RUNS.c.name, C.c.step, C.c.kind, C.c.committed_at)
-        .select_from(base)
+        .select_from(ckpts)
         .where(*cond)
         .order_by(RUNS.c.id, C.c.step)
         .with_for_update(of=C)
     ).all()
     metrics: dict[int, dict[str, float]] = {}
-    for m in conn.execute(
-        select(M.c.checkpoint_id, M.c.name, M.c.value).select_from(M.join(C, C.c.id == M.c.checkpoint_id).join(RUNS, RUNS.c.id == C.c.run_id)).where(*cond)
-    ):
-        metrics.setdefault(m.checkpoint_id, {})[m.name] = math.nan if m.value is None else float(m.value)
+    q = select(M.c.checkpoint_id, M.c.name, M.c.value).select_from(
+        ckpts.join(M, M.c.checkpoint_id == C.c.id)
+    )
+    for m in conn.execute(q.where(*cond)):
+        metrics.setdefault(m.checkpoint_id, {})[m.name] = (
+            math.nan if m.value is None else float(m.value)
+        )
     tags: dict[int, list[str]] = {}
-    for t in conn.execute(
-        select(T.c.checkpoint_id, T.c.name).select_from(T.join(C, C.c.id == T.c.checkpoint_id).join(RUNS, RUNS.c.id == C.c.run_id)).where(*cond).order_by(T.c.name)
-    ):
+    q = select(T.c.checkpoint_id, T.c.name).select_from(ckpts.join(T, T.c.checkpoint_id == C.c.id))
+    for t in conn.execute(q.where(*cond).order_by(T.c.name)):
         tags.setdefault(t.checkpoint_id, []).append(t.name)
     out: dict[str, list[Candidate]] = {}
     for r in rows:
@@ -201,12 +206,22 @@ def load_candidates(conn: Connection, run: str | None) -> dict[str, list[Candida
         if at is not None and at.tzinfo is None:
             at = at.replace(tzinfo=utcnow().tzinfo)
         out.setdefault(r.name, []).append(
-            Candidate(r.id, r.name, int(r.step), r.kind, at, metrics.get(r.id, {}), tuple(tags.get(r.id, ())))
+            Candidate(
+                r.id,
+                r.name,
+                int(r.step),
+                r.kind,
+                at,
+                metrics.get(r.id, {}),
+                tuple(tags.get(r.id, ())),
+            )
         )
     return out
 
 
-def _policies(conn: Connection, policy: Policy | None, run: str | None) -> dict[str, tuple[Policy | None, str]]:
+def _policies(
+    conn: Connection, policy: Policy | None, run: str | None
+) -> dict[str, tuple[Policy | None, str]]:
     q = select(RUNS.c.name, RUNS.c.policy)
     if run is not None:
         q = q.where(RUNS.c.name == run)
@@ -227,9 +242,14 @@ def _policies(conn: Connection, policy: Policy | None, run: str | None) -> dict[
     return out
 
 
-def apply_policies(conn: Connection, policy: Policy | None, run: str | None, now: datetime) -> list[RunRetention]:
+def apply_policies(
+    conn: Connection, policy: Policy | None, run: str | None, now: datetime
+) -> list[RunRetention]:
     """Drop the checkpoints each run's policy releases (never a run's latest); returns decisions."""
-    if run is not None and conn.execute(select(RUNS.c.id).where(RUNS.c.name == run)).first() is None:
+    if (
+        run is not None
+        and conn.execute(select(RUNS.c.id).where(RUNS.c.name == run)).first() is None
+    ):
         raise NotFoundError(f"no run named {run!r} in this store (see `ckstore runs`)")
     policies = _policies(conn, policy, run)
     candidates = load_candidates(conn, run)
@@ -242,15 +262,17 @@ def apply_policies(conn: Connection, policy: Policy | None, run: str | None, now
         sel = (pol or KeepAll()).select(ckpts, now=now)
         latest = max(ckpts, key=lambda c: (c.step, c.id))
         reasons = {k: v for k, v in sel.reasons.items()}
-        reasons[latest.id] = ("latest",) + tuple(r for r in reasons.get(latest.id, ()) if r != "latest")
-        kept = tuple(KeptCheckpoint(c.step, c.kind, reasons[c.id]) for c in ckpts if c.id in reasons)
+        reasons[latest.id] = ("latest",) + tuple(
+            r for r in reasons.get(latest.id, ()) if r != "latest"
+        )
+        kept = tuple(Decision(c.step, c.kind, reasons[c.id]) for c in ckpts if c.id in reasons)
         dropped = [c for c in ckpts if c.id not in reasons]
         drop_ids += [c.id for c in dropped]
         unranked = tuple((c.step, sel.unranked[c.id]) for c in ckpts if c.id in sel.unranked)
         out.append(
             RunRetention(
                 name, pol.describe() if pol else None, source, kept,
-                tuple(KeptCheckpoint(c.step, c.kind, ()) for c in dropped), unranked,
+                tuple(Decision(c.step, c.kind, ()) for c in dropped), unranked,
             )
         )  # fmt: skip
     for i in range(0, len(drop_ids), _BATCH):
@@ -259,7 +281,9 @@ def apply_policies(conn: Connection, policy: Policy | None, run: str | None, now
 
 
 # -- abandoned commits ---------------------------------------------------------------------------
-def judge_pending(owner: str, heartbeat_at: datetime, grace: float, now: datetime) -> tuple[str, bool] | None:
+def judge_pending(
+    owner: str, heartbeat_at: datetime, grace: float, now: datetime
+) -> tuple[str, bool] | None:
     """Why a pending checkpoint counts as abandoned, and whether only its silent heartbeat says so
     (its owner ran elsewhere); None while it may be live.
 
@@ -321,7 +345,9 @@ def _unreferenced() -> Any:
 
 def _dead_packs() -> Any:
     live_owner = P.c.owner_checkpoint_id.in_(select(C.c.id).where(C.c.status == PENDING))
-    return and_(~exists().where(K.c.pack_id == P.c.id), or_(P.c.owner_checkpoint_id.is_(None), ~live_owner))
+    return and_(
+        ~exists().where(K.c.pack_id == P.c.id), or_(P.c.owner_checkpoint_id.is_(None), ~live_owner)
+    )
 
 
 def sweep(conn: Connection, now: datetime) -> tuple[int, int, dict[str, int]]:
@@ -330,7 +356,9 @@ def sweep(conn: Connection, now: datetime) -> tuple[int, int, dict[str, int]]:
     Must run under the exclusive gc lock: commits reference existing chunks, and insert chunk
     rows, only under the shared lock. Returns ``(chunks, chunk bytes, {trashed key: size})``.
     """
-    n, nbytes = conn.execute(select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(_unreferenced())).one()
+    n, nbytes = conn.execute(
+        select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(_unreferenced())
+    ).one()
     if n:
         conn.execute(delete(K).where(_unreferenced()))
     trashed = {k: int(s) for k, s in conn.execute(select(P.c.key, P.c.size).where(_dead_packs()))}
@@ -338,7 +366,8 @@ def sweep(conn: Connection, now: datetime) -> tuple[int, int, dict[str, int]]:
         return int(n), int(nbytes), trashed
     conn.execute(
         TRASH.insert().from_select(
-            ["key", "created_at"], select(P.c.key, literal(now, DateTime(timezone=True))).where(_dead_packs())
+            ["key", "created_at"],
+            select(P.c.key, literal(now, DateTime(timezone=True))).where(_dead_packs()),
         )
     )
     conn.execute(delete(P).where(_dead_packs()))
@@ -346,7 +375,9 @@ def sweep(conn: Connection, now: datetime) -> tuple[int, int, dict[str, int]]:
 
 
 # -- objects ------------------------------------------------------------------------------------
-def list_packs(blobs: BlobStore, progress: Progress | None = None) -> dict[str, tuple[int, float | None]]:
+def list_packs(
+    blobs: BlobStore, progress: Progress | None = None
+) -> dict[str, tuple[int, float | None]]:
     """``{key: (size, mtime)}`` of every pack object."""
     out: dict[str, tuple[int, float | None]] = {}
     for info in blobs.list(PACK_PREFIX):
@@ -366,10 +397,16 @@ def unknown_keys(conn: Connection, keys: Sequence[str]) -> set[str]:
     return unknown
 
 
-def find_orphans(catalog: Catalog, listing: Mapping[str, tuple[int, float | None]], cutoff: float | None) -> list[str]:
+def find_orphans(
+    catalog: Catalog, listing: Mapping[str, tuple[int, float | None]], cutoff: float | None
+) -> list[str]:
     """Listed objects the catalog does not know (read after the listing), older than ``cutoff``
     (seconds since the epoch; None: any age). An object whose backend reports no time is kept."""
-    cands = sorted(k for k, (_, mtime) in listing.items() if cutoff is None or (mtime is not None and mtime < cutoff))
+    cands = sorted(
+        k
+        for k, (_, mtime) in listing.items()
+        if cutoff is None or (mtime is not None and mtime < cutoff)
+    )
     if not cands:
         return []
     with catalog_read(catalog) as conn:

@@ -107,7 +107,11 @@ def _keep(items: Iterable[CheckpointInfo], reason: str) -> Selection:
 
 
 def _newest_first(items: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
-    return sorted(items, key=lambda c: (c.step, c.committed_at or datetime.max.replace(tzinfo=timezone.utc), c.id), reverse=True)
+    return sorted(
+        items,
+        key=lambda c: (c.step, c.committed_at or datetime.max.replace(tzinfo=timezone.utc), c.id),
+        reverse=True,
+    )
 
 
 def _check_count(what: str, n: object, minimum: int = 0) -> int:
@@ -122,7 +126,9 @@ class Policy(ABC):
     __slots__ = ()
 
     @abstractmethod
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         """The checkpoints (of one run) this rule keeps, and why. ``now`` defaults to the clock."""
 
     @abstractmethod
@@ -150,7 +156,9 @@ class LatestN(Policy):
     def __post_init__(self) -> None:
         _check_count("LatestN.n (--keep-last)", self.n)
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         return _keep(_newest_first(checkpoints)[: self.n], self.describe())
 
     def describe(self) -> str:
@@ -175,7 +183,9 @@ class BestN(Policy):
         if self.mode not in ("min", "max"):
             raise PolicyError(f"BestN mode must be 'min' or 'max', got {self.mode!r}")
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         ranked, unranked = [], []
         for c in checkpoints:
             v = c.metrics.get(self.metric)
@@ -208,7 +218,9 @@ class EveryNSteps(Policy):
     def __post_init__(self) -> None:
         _check_count("EveryNSteps.n (--keep-every)", self.n, 1)
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         return _keep((c for c in checkpoints if c.step % self.n == 0), self.describe())
 
     def describe(self) -> str:
@@ -225,14 +237,26 @@ class Within(Policy):
     seconds: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) or not self.seconds >= 0:
-            raise PolicyError(f"Within.seconds (--keep-within) must be a duration >= 0, got {self.seconds!r}")
+        if (
+            isinstance(self.seconds, bool)
+            or not isinstance(self.seconds, (int, float))
+            or not self.seconds >= 0
+        ):
+            raise PolicyError(
+                f"Within.seconds (--keep-within) must be a duration >= 0, got {self.seconds!r}"
+            )
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         t = now or datetime.now(timezone.utc)
         why = self.describe()
         return _keep(
-            (c for c in checkpoints if c.committed_at is None or (t - c.committed_at).total_seconds() <= self.seconds),
+            (
+                c
+                for c in checkpoints
+                if c.committed_at is None or (t - c.committed_at).total_seconds() <= self.seconds
+            ),
             why,
         )
 
@@ -254,7 +278,9 @@ class Tagged(Policy):
             raise PolicyError(f"Tagged.tags must be a tuple of tag names, got {self.tags!r}")
         object.__setattr__(self, "tags", tuple(self.tags))
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         want = set(self.tags)
         out: dict[int, tuple[str, ...]] = {}
         for c in checkpoints:
@@ -274,7 +300,9 @@ class Tagged(Policy):
 class KeepAll(Policy):
     """Keep everything."""
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         return _keep(checkpoints, "all")
 
     def describe(self) -> str:
@@ -297,10 +325,14 @@ class ByKind(Policy):
         if not isinstance(self.policy, Policy):
             raise PolicyError(f"ByKind({self.kind!r}, ...) needs a policy, got {self.policy!r}")
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         inner = self.policy.select([c for c in checkpoints if c.kind == self.kind], now=now)
         prefix = f"kind {self.kind}: "
-        return Selection({k: tuple(prefix + r for r in v) for k, v in inner.reasons.items()}, inner.unranked)
+        return Selection(
+            {k: tuple(prefix + r for r in v) for k, v in inner.reasons.items()}, inner.unranked
+        )
 
     def describe(self) -> str:
         return f"kind {self.kind}: {self.policy.describe()}"
@@ -321,7 +353,9 @@ class AnyOf(Policy):
             raise PolicyError(f"AnyOf needs one or more policies, got {self.rules!r}")
         object.__setattr__(self, "rules", rules)
 
-    def select(self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None) -> Selection:
+    def select(
+        self, checkpoints: Sequence[CheckpointInfo], *, now: datetime | None = None
+    ) -> Selection:
         out = Selection()
         for r in self.rules:
             out = out | r.select(checkpoints, now=now)
@@ -398,7 +432,9 @@ def parse_duration(text: str | float) -> float:
     while pos < len(s):
         m = _DURATION.match(s, pos)
         if m is None or not m.group(0):
-            raise PolicyError(f"invalid duration {text!r}: use e.g. 3600, 90s, 15m, 12h, 7d or 1d12h")
+            raise PolicyError(
+                f"invalid duration {text!r}: use e.g. 3600, 90s, 15m, 12h, 7d or 1d12h"
+            )
         total += float(m.group(1)) * _UNITS[m.group(2) or "s"]
         pos = m.end()
     if not s:
@@ -421,14 +457,18 @@ def _parse_best(spec: str) -> BestN:
     if len(parts) == 2:
         parts.append("min")
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1]:
-        raise PolicyError(f"invalid --keep-best {spec!r}: expected K:METRIC:min|max, e.g. 3:val_loss:min")
+        raise PolicyError(
+            f"invalid --keep-best {spec!r}: expected K:METRIC:min|max, e.g. 3:val_loss:min"
+        )
     return BestN(int(parts[0]), parts[1], parts[2])
 
 
 def _parse_kind(spec: str) -> ByKind:
     kind, sep, n = spec.rpartition(":")
     if not sep or not kind or not (n.isdigit() or n == "all"):
-        raise PolicyError(f"invalid --keep-kind {spec!r}: expected KIND:N or KIND:all, e.g. recovery:1")
+        raise PolicyError(
+            f"invalid --keep-kind {spec!r}: expected KIND:N or KIND:all, e.g. recovery:1"
+        )
     return ByKind(kind, KeepAll() if n == "all" else LatestN(int(n)))
 
 

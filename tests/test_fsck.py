@@ -62,7 +62,9 @@ def pack_of(s: ckstore.Store, ref: str, rank: int, key: str, path: str) -> Any:
     return next(loc for u, loc in uses(s).items() if u[:4] == (ref, rank, key, path))
 
 
-def test_a_deleted_pack_names_every_checkpoint_rank_key_and_chunk_it_breaks(filled: ckstore.Store, store_path: Path) -> None:
+def test_a_deleted_pack_names_every_checkpoint_rank_key_and_chunk_it_breaks(
+    filled: ckstore.Store, store_path: Path
+) -> None:
     assert filled.fsck().ok and filled.fsck(deep=True).ok
     before = uses(filled)
     victim = pack_of(filled, "exp@2", 1, "model_states", "layer.w").pack_key
@@ -79,19 +81,27 @@ def test_a_deleted_pack_names_every_checkpoint_rank_key_and_chunk_it_breaks(fill
 
     res = CliRunner().invoke(main, ["--store", str(store_path), "fsck"])
     assert res.exit_code == 1
-    assert "DAMAGED" in res.output and "exp@2" in res.output and "rank 1 model_states layer.w chunk" in res.output
+    assert (
+        "DAMAGED" in res.output
+        and "exp@2" in res.output
+        and "rank 1 model_states layer.w chunk" in res.output
+    )
     # repair never touches what a checkpoint references, even when it is damaged
     rep = filled.fsck(repair=True)
     assert found(rep) == expected and not rep.repaired_orphans
 
 
-def test_a_truncated_pack_breaks_only_the_chunks_past_the_cut(filled: ckstore.Store, store_path: Path) -> None:
+def test_a_truncated_pack_breaks_only_the_chunks_past_the_cut(
+    filled: ckstore.Store, store_path: Path
+) -> None:
     before = uses(filled)
     loc = pack_of(filled, "exp@3", 0, "optim_states", "exp_avg")
     cut = loc.offset + 1
     with open(store_path / loc.pack_key, "r+b") as f:
         f.truncate(cut)
-    expected = {u for u, l in before.items() if l.pack_key == loc.pack_key and l.offset + l.length > cut}
+    expected = {
+        u for u, l in before.items() if l.pack_key == loc.pack_key and l.offset + l.length > cut
+    }
     assert any(u[:4] == ("exp@3", 0, "optim_states", "exp_avg") for u in expected)
     assert len(expected) < sum(1 for l in before.values() if l.pack_key == loc.pack_key)
     rep = filled.fsck()
@@ -129,7 +139,9 @@ def test_a_missing_reference_is_catalog_damage(filled: ckstore.Store) -> None:
     assert "no reference" in rep.damage[0].problem
 
 
-def test_repair_removes_only_orphans_and_abandoned_commits(filled: ckstore.Store, store_path: Path) -> None:
+def test_repair_removes_only_orphans_and_abandoned_commits(
+    filled: ckstore.Store, store_path: Path
+) -> None:
     old = time.time() - 7200
     filled.blobs.put("packs/ff/orphan", b"o" * 50)
     os.utime(store_path / "packs/ff/orphan", (old, old))
@@ -139,11 +151,23 @@ def test_repair_removes_only_orphans_and_abandoned_commits(filled: ckstore.Store
     proc.wait()
     dead = Owner(socket.gethostname(), proc.pid, "1", "n")
     filled.catalog.begin_checkpoint(
-        "exp", 4, kind="checkpoint", replace=False, owner=dead, world_layout=WorldLayout.flat(1), lease_seconds=60
+        "exp",
+        4,
+        kind="checkpoint",
+        replace=False,
+        owner=dead,
+        world_layout=WorldLayout.flat(1),
+        lease_seconds=60,
     )
     live = Owner.me()
     filled.catalog.begin_checkpoint(
-        "exp", 5, kind="checkpoint", replace=False, owner=live, world_layout=WorldLayout.flat(1), lease_seconds=60
+        "exp",
+        5,
+        kind="checkpoint",
+        replace=False,
+        owner=live,
+        world_layout=WorldLayout.flat(1),
+        lease_seconds=60,
     )
     rep = filled.fsck()
     assert rep.ok and rep.orphans == (("packs/ff/orphan", 50),) and len(rep.temp_files) == 1
@@ -152,7 +176,9 @@ def test_repair_removes_only_orphans_and_abandoned_commits(filled: ckstore.Store
     assert res.exit_code == 0, res.output
     assert "deleted 1 orphans and 1 temp files, removed 1 abandoned commits" in res.output
     rep = filled.fsck()
-    assert rep.ok and not rep.orphans and not rep.temp_files and [p.step for p in rep.pending] == [5]
+    assert (
+        rep.ok and not rep.orphans and not rep.temp_files and [p.step for p in rep.pending] == [5]
+    )
     assert filled.fsck(deep=True).ok
     for step in (1, 2, 3):
         filled.checkout(step)

@@ -27,7 +27,10 @@ SHARED = torch.arange(200_000, dtype=torch.float32)  # in every checkpoint: its 
 
 def state(step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
-    return {"model_states": {"shared": SHARED, "w": torch.randn(128, 256, generator=g)}, "step": {"n": step}}
+    return {
+        "model_states": {"shared": SHARED, "w": torch.randn(128, 256, generator=g)},
+        "step": {"n": step},
+    }
 
 
 def commit(s: ckstore.Store, step: int, run: str | None = None, **kw: Any) -> ckstore.Checkpoint:
@@ -35,7 +38,11 @@ def commit(s: ckstore.Store, step: int, run: str | None = None, **kw: Any) -> ck
 
 
 def objects(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in (root / "packs").rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in (root / "packs").rglob("*")
+        if p.is_file()
+    }
 
 
 def steps(s: ckstore.Store, run: str | None = None) -> list[int]:
@@ -49,7 +56,12 @@ def check_all(s: ckstore.Store) -> None:
 
 def test_dry_run_reports_exactly_what_gc_then_does(store: ckstore.Store, store_path: Path) -> None:
     for step in range(1, 9):
-        commit(store, step, metrics={"val_loss": abs(step - 3) + 0.5}, tags=["keep-me"] if step == 5 else [])
+        commit(
+            store,
+            step,
+            metrics={"val_loss": abs(step - 3) + 0.5},
+            tags=["keep-me"] if step == 5 else [],
+        )
     before_objects = objects(store_path)
     before = steps(store)
     policy = LatestN(2) | BestN(1, "val_loss") | Tagged()
@@ -68,7 +80,12 @@ def test_dry_run_reports_exactly_what_gc_then_does(store: ckstore.Store, store_p
     assert sum(before_objects.values()) - sum(after.values()) == real.pack_bytes_freed
     assert set(after) < set(before_objects)
     kept = {k.step: k.reasons for k in real.runs[0].kept}
-    assert kept == {3: ("best 1 by val_loss (min)",), 5: ("tagged keep-me",), 7: ("last 2",), 8: ("latest", "last 2")}
+    assert kept == {
+        3: ("best 1 by val_loss (min)",),
+        5: ("tagged keep-me",),
+        7: ("last 2",),
+        8: ("latest", "last 2"),
+    }
     check_all(store)  # the shared tensor's chunks stayed
     assert store.fsck(deep=True).ok
     again = store.gc(policy)
@@ -122,7 +139,9 @@ def test_missing_metric_is_kept_and_reported(store: ckstore.Store) -> None:
     assert report.runs[0].unranked == ((2, ("val_loss",)), (3, ("val_loss",)))
 
 
-def test_delete_needs_force_for_tags_and_gc_frees_it(store: ckstore.Store, store_path: Path) -> None:
+def test_delete_needs_force_for_tags_and_gc_frees_it(
+    store: ckstore.Store, store_path: Path
+) -> None:
     commit(store, 1, tags=["golden"])
     commit(store, 2)
     commit(store, 3)
@@ -130,7 +149,9 @@ def test_delete_needs_force_for_tags_and_gc_frees_it(store: ckstore.Store, store
         store.delete(1)
     stored = store.catalog.stored_bytes()
     assert store.delete(2).step == 2
-    assert steps(store) == [1, 3] and store.catalog.stored_bytes() == stored  # rows only, bytes later
+    assert (
+        steps(store) == [1, 3] and store.catalog.stored_bytes() == stored
+    )  # rows only, bytes later
     report = store.gc()
     assert report.dropped == [] and report.chunks_freed > 0 and report.packs_deleted > 0
     assert store.delete("golden", force=True).step == 1
@@ -145,16 +166,28 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def _pending(s: ckstore.Store, step: int, owner: Owner, heartbeat_age: float = 0.0) -> tuple[int, str]:
+def _pending(
+    s: ckstore.Store, step: int, owner: Owner, heartbeat_age: float = 0.0
+) -> tuple[int, str]:
     """A pending checkpoint owned by ``owner`` that wrote one pack object."""
     ckpt = s.catalog.begin_checkpoint(
-        "exp", step, kind="checkpoint", replace=False, owner=owner, world_layout=WorldLayout.flat(1), lease_seconds=60
+        "exp",
+        step,
+        kind="checkpoint",
+        replace=False,
+        owner=owner,
+        world_layout=WorldLayout.flat(1),
+        lease_seconds=60,
     )
     key = f"packs/ab/{os.urandom(16).hex()}"
     s.catalog.register_pack(ckpt, owner, key)
     s.blobs.put(key, b"CKPK\x01\x00\x00\x00 half a pack")
     with catalog_write(s.catalog) as conn:
-        conn.execute(update(C).where(C.c.id == ckpt).values(heartbeat_at=utcnow() - timedelta(seconds=heartbeat_age)))
+        conn.execute(
+            update(C)
+            .where(C.c.id == ckpt)
+            .values(heartbeat_at=utcnow() - timedelta(seconds=heartbeat_age))
+        )
     return ckpt, key
 
 
@@ -162,7 +195,9 @@ def test_abandoned_commits_are_reaped_and_live_ones_never(store: ckstore.Store) 
     commit(store, 1)
     host = socket.gethostname()
     _, dead_key = _pending(store, 2, Owner(host, _dead_pid(), "1", "dead"))
-    _, live_key = _pending(store, 3, Owner.me(), heartbeat_age=86400)  # live here: never, however old
+    _, live_key = _pending(
+        store, 3, Owner.me(), heartbeat_age=86400
+    )  # live here: never, however old
     _, remote_fresh = _pending(store, 4, Owner("elsewhere", 7, "1", "fresh"), heartbeat_age=5)
     _, remote_stale = _pending(store, 5, Owner("elsewhere", 8, "1", "stale"), heartbeat_age=600)
 
@@ -178,13 +213,17 @@ def test_abandoned_commits_are_reaped_and_live_ones_never(store: ckstore.Store) 
     assert store.blobs.exists(live_key)
     # ... and once its process is gone it is
     with catalog_write(store.catalog) as conn:
-        conn.execute(update(C).where(C.c.step == 3).values(owner=str(Owner(host, _dead_pid(), "1", "x"))))
+        conn.execute(
+            update(C).where(C.c.step == 3).values(owner=str(Owner(host, _dead_pid(), "1", "x")))
+        )
     assert {r.step for r in store.gc().reaped} == {3}
     assert not store.blobs.exists(live_key)
     check_all(store)
 
 
-def test_orphans_and_stale_temp_files_go_after_the_grace(store: ckstore.Store, store_path: Path) -> None:
+def test_orphans_and_stale_temp_files_go_after_the_grace(
+    store: ckstore.Store, store_path: Path
+) -> None:
     commit(store, 1)
     old = time.time() - 7200
     store.blobs.put("packs/zz/old-orphan", b"x" * 100)
@@ -246,7 +285,10 @@ def test_du_agrees_with_what_gc_frees(store: ckstore.Store) -> None:
         assert by_ckpt[ref].stored_bytes == sum(length[ch] for ch in mine)
         assert by_ckpt[ref].exclusive_bytes == sum(length[ch] for ch in mine if users[ch] == {i})
     # a@1 and b@1 hold the same bytes: nothing is exclusive to either run but 'w' differs per step
-    assert by_run["a"].checkpoints == 2 and by_run["a"].logical_bytes == by_ckpt["a@1"].logical_bytes * 2
+    assert (
+        by_run["a"].checkpoints == 2
+        and by_run["a"].logical_bytes == by_ckpt["a@1"].logical_bytes * 2
+    )
     assert by_run["a"].dedup_ratio > 1.0 and by_run["a"].compression_ratio > 1.0
     assert by_run["a"].exclusive_bytes == 0  # run b has the same states, step for step
     assert rep.total.stored_bytes == sum(length.values()) and rep.garbage_bytes == 0
@@ -263,7 +305,9 @@ def test_progress_callback_sees_the_deletes(store: ckstore.Store) -> None:
     for step in range(1, 6):
         commit(store, step)
     seen: list[tuple[str, int, int]] = []
-    report = store.gc(LatestN(1), progress=lambda phase, done, total: seen.append((phase, done, total)))
+    report = store.gc(
+        LatestN(1), progress=lambda phase, done, total: seen.append((phase, done, total))
+    )
     assert report.packs_deleted > 0
     assert seen and seen[-1] == ("delete", report.packs_deleted, report.packs_deleted)
 

@@ -34,31 +34,54 @@ def _fill(loc: Path) -> None:
 def test_gc_dry_run_then_real_run(tmp_path: Path) -> None:
     loc = tmp_path / "s"
     _fill(loc)
-    flags = ["--run", "exp", "--keep-last", "1", "--keep-best", "1:val_loss:min", "--keep-kind", "epoch:all"]
+    flags = [
+        "--run",
+        "exp",
+        "--keep-last",
+        "1",
+        "--keep-best",
+        "1:val_loss:min",
+        "--keep-kind",
+        "epoch:all",
+    ]
     code, dry = _run(loc, "gc", "--dry-run", *flags)
     assert code == 0, dry
     assert "dry run" in dry and "would drop 5: steps 1, 2, 3, 5, 7" in dry
     assert "kept without val_loss" in dry and "steps 6" in dry
     code, out = _run(loc, "gc", "--json", *flags)
     rep = json.loads(out)
-    assert rep["dropped"] == ["exp@1", "exp@2", "exp@3", "exp@5", "exp@7"] and rep["chunks_freed"] > 0
+    assert (
+        rep["dropped"] == ["exp@1", "exp@2", "exp@3", "exp@5", "exp@7"] and rep["chunks_freed"] > 0
+    )
     assert [k["step"] for k in rep["runs"][0]["kept"]] == [4, 6, 8]
     assert [c.step for c in ckstore.open(loc).checkpoints("exp")] == [4, 6, 8]
     code, out = _run(loc, "gc")  # no stored policy: everything stays
-    assert code == 0 and "no retention policy, keeps all 3 checkpoints" in out and "dropped 0 checkpoints" in out
+    assert (
+        code == 0
+        and "no retention policy, keeps all 3 checkpoints" in out
+        and "dropped 0 checkpoints" in out
+    )
 
 
 def test_policy_set_show_clear_and_gc_uses_it(tmp_path: Path) -> None:
     loc = tmp_path / "s"
     _fill(loc)
-    code, out = _run(loc, "policy", "set", "exp", "--keep-last", "2", "--keep-tagged", "--keep-within", "0s")
+    code, out = _run(
+        loc, "policy", "set", "exp", "--keep-last", "2", "--keep-tagged", "--keep-within", "0s"
+    )
     assert code == 0 and "last 2 + within 0s + tagged" in out
     code, out = _run(loc, "policy", "show")
-    assert "exp: last 2 + within 0s + tagged" in out and "other: (no policy: keeps everything)" in out
+    assert (
+        "exp: last 2 + within 0s + tagged" in out and "other: (no policy: keeps everything)" in out
+    )
     code, out = _run(loc, "policy", "show", "exp", "--json")
     assert json.loads(out)["exp"]["rule"] == "any_of"
     code, out = _run(loc, "gc")
-    assert code == 0 and "policy last 2 + within 0s + tagged (stored)" in out and "dropped 5 checkpoints" in out
+    assert (
+        code == 0
+        and "policy last 2 + within 0s + tagged (stored)" in out
+        and "dropped 5 checkpoints" in out
+    )
     assert [c.step for c in ckstore.open(loc).checkpoints("exp")] == [1, 7, 8]
     code, out = _run(loc, "policy", "clear", "exp")
     assert code == 0 and ckstore.open(loc).policy("exp") is None
@@ -85,7 +108,13 @@ def test_du_rm_and_fsck(tmp_path: Path) -> None:
     loc = tmp_path / "s"
     _fill(loc)
     code, out = _run(loc, "du")
-    assert code == 0 and "exp" in out and "other" in out and "freed if dropped" in out and "(all)" in out
+    assert (
+        code == 0
+        and "exp" in out
+        and "other" in out
+        and "freed if dropped" in out
+        and "(all)" in out
+    )
     code, out = _run(loc, "du", "exp")
     assert code == 0 and "exp@8" in out
     code, out = _run(loc, "du", "--json")

@@ -53,7 +53,9 @@ def wait_ready(*procs: subprocess.Popen[str]) -> None:
         line = p.stdout.readline().strip()
         if line != "ready":
             p.kill()
-            raise AssertionError(f"child did not start: {line!r} {p.stderr.read() if p.stderr else ''}")
+            raise AssertionError(
+                f"child did not start: {line!r} {p.stderr.read() if p.stderr else ''}"
+            )
 
 
 def pack_bytes(path: Path) -> int:

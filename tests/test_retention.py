@@ -41,7 +41,15 @@ ROWS = [
     (10, 10000, "recovery", 0.6, (), 10),
 ]
 CKPTS = [
-    Candidate(i, "exp", step, kind, NOW - timedelta(minutes=age), {} if v is None else {"val_loss": v}, tags)
+    Candidate(
+        i,
+        "exp",
+        step,
+        kind,
+        NOW - timedelta(minutes=age),
+        {} if v is None else {"val_loss": v},
+        tags,
+    )
     for i, step, kind, v, tags, age in ROWS
 ]
 
@@ -69,13 +77,19 @@ CASES: list[tuple[Policy, set[int], set[int]]] = [
     (ByKind("epoch", BestN(1, "val_loss")), {3, 6}, {6}),
     (ByKind("recovery", LatestN(1)) | ByKind("epoch", KeepAll()), {3, 6, 9, 10}, set()),
     (LatestN(2) | BestN(1, "val_loss"), {9, 10, 8, 4, 6}, {4, 6}),
-    (LatestN(2) | BestN(1, "val_loss") | EveryNSteps(5000) | Tagged(), {9, 10, 8, 4, 6, 5, 2}, {4, 6}),
+    (
+        LatestN(2) | BestN(1, "val_loss") | EveryNSteps(5000) | Tagged(),
+        {9, 10, 8, 4, 6, 5, 2},
+        {4, 6},
+    ),
     (KeepAll(), set(range(1, 11)), set()),
 ]
 
 
 @pytest.mark.parametrize("policy,kept,unranked", CASES, ids=[p.describe() for p, _, _ in CASES])
-def test_policy_selects_hand_computed_checkpoints(policy: Policy, kept: set[int], unranked: set[int]) -> None:
+def test_policy_selects_hand_computed_checkpoints(
+    policy: Policy, kept: set[int], unranked: set[int]
+) -> None:
     sel = policy.select(CKPTS, now=NOW)
     assert set(sel.kept) == kept
     assert set(sel.unranked) == unranked
@@ -84,7 +98,9 @@ def test_policy_selects_hand_computed_checkpoints(policy: Policy, kept: set[int]
     assert policy.select(list(reversed(CKPTS)), now=NOW).kept == sel.kept
 
 
-@pytest.mark.parametrize("policy", [p for p, _, _ in CASES], ids=[p.describe() for p, _, _ in CASES])
+@pytest.mark.parametrize(
+    "policy", [p for p, _, _ in CASES], ids=[p.describe() for p, _, _ in CASES]
+)
 def test_policy_json_round_trip(policy: Policy) -> None:
     again = policy_from_json(policy_to_json(policy))
     assert again == policy
@@ -92,7 +108,9 @@ def test_policy_json_round_trip(policy: Policy) -> None:
 
 
 def test_reasons_name_the_rules() -> None:
-    sel = (LatestN(2) | BestN(1, "val_loss") | Tagged() | ByKind("epoch", KeepAll())).select(CKPTS, now=NOW)
+    sel = (LatestN(2) | BestN(1, "val_loss") | Tagged() | ByKind("epoch", KeepAll())).select(
+        CKPTS, now=NOW
+    )
     assert sel.reasons[10] == ("last 2",)
     assert sel.reasons[9] == ("last 2", "tagged release", "kind epoch: all")
     assert sel.reasons[8] == ("best 1 by val_loss (min)",)
@@ -148,7 +166,17 @@ def test_bad_flags_are_clear_errors(kwargs: dict, match: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "text,seconds", [("90", 90), ("90s", 90), ("15m", 900), ("12h", 43200), ("7d", 604800), ("2w", 1209600), ("1d12h", 129600), (30, 30)]
+    "text,seconds",
+    [
+        ("90", 90),
+        ("90s", 90),
+        ("15m", 900),
+        ("12h", 43200),
+        ("7d", 604800),
+        ("2w", 1209600),
+        ("1d12h", 129600),
+        (30, 30),
+    ],
 )
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds

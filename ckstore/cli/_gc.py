@@ -16,7 +16,12 @@ from ._common import Ctx, console, err_console, handle_errors, human_bytes, pass
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_PHASES = {"list": "listing pack objects", "delete": "deleting packs", "orphans": "deleting orphans", "read": "reading packs"}
+_PHASES = {
+    "list": "listing pack objects",
+    "delete": "deleting packs",
+    "orphans": "deleting orphans",
+    "read": "reading packs",
+}
 
 
 def rule_options(fn: F) -> F:
@@ -78,7 +83,11 @@ def _steps(steps: Sequence[int], limit: int = 24) -> str:
 
 
 def _jsonable(obj: Any) -> Any:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj
+    return (
+        dataclasses.asdict(obj)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+        else obj
+    )
 
 
 def render_gc(report: Any) -> None:
@@ -89,7 +98,9 @@ def render_gc(report: Any) -> None:
         console.print("[bold yellow]dry run:[/] nothing is changed; this is what gc would do")
     for r in report.runs:
         if r.policy is None:
-            console.print(f"run [bold]{r.run}[/]: no retention policy, keeps all {len(r.kept)} checkpoints")
+            console.print(
+                f"run [bold]{r.run}[/]: no retention policy, keeps all {len(r.kept)} checkpoints"
+            )
             continue
         console.print(f"run [bold]{r.run}[/]: policy {r.policy} ({r.source})")
         table = Table(show_header=False, box=None, padding=(0, 2))
@@ -97,7 +108,9 @@ def render_gc(report: Any) -> None:
             table.add_row("[green]keep[/]", str(k.step), k.kind, ", ".join(k.reasons))
         console.print(table)
         if r.dropped:
-            console.print(f"  [red]{drop}[/] {len(r.dropped)}: steps {_steps([d.step for d in r.dropped])}")
+            console.print(
+                f"  [red]{drop}[/] {len(r.dropped)}: steps {_steps([d.step for d in r.dropped])}"
+            )
         if r.unranked:
             missing = sorted({m for _, ms in r.unranked for m in ms})
             console.print(
@@ -116,7 +129,12 @@ def render_gc(report: Any) -> None:
 
 
 @click.command()
-@click.option("--run", "run_name", metavar="RUN", help="Apply retention to RUN only (the sweep is store-wide).")
+@click.option(
+    "--run",
+    "run_name",
+    metavar="RUN",
+    help="Apply retention to RUN only (default: every run; the sweep is store-wide).",
+)
 @rule_options
 @click.option("--grace", metavar="SECONDS", help="How long a commit may go without a heartbeat, and an unknown "
               "object or temp file sit untouched, before gc treats it as abandoned (default 3600; 15m, 2h work).")  # fmt: skip
@@ -136,9 +154,13 @@ def gc(obj: Ctx, run_name: str | None, keep_last: int | None, keep_best: tuple[s
     policy = _policy(keep_last, keep_best, keep_every, keep_within, keep_tagged, keep_kind)
     store = obj.open()
     with _progress() as progress:
-        report = store.gc(policy, run=run_name, dry_run=dry_run, grace=_grace(grace), progress=progress)
+        report = store.gc(
+            policy, run=run_name, dry_run=dry_run, grace=_grace(grace), progress=progress
+        )
     if as_json:
-        print_json({**_jsonable(report), "dropped": report.dropped, "bytes_freed": report.bytes_freed})
+        print_json(
+            {**_jsonable(report), "dropped": report.dropped, "bytes_freed": report.bytes_freed}
+        )
         return
     render_gc(report)
 
@@ -158,9 +180,13 @@ def policy_set(obj: Ctx, run: str, keep_last: int | None, keep_best: tuple[str, 
     """Store RUN's retention policy: the union of the --keep-* rules given."""
     pol = _policy(keep_last, keep_best, keep_every, keep_within, keep_tagged, keep_kind)
     if pol is None:
-        raise click.UsageError(f"give at least one --keep-* rule (or clear the policy: ckstore policy clear {run})")
+        raise click.UsageError(
+            f"give at least one --keep-* rule (or clear the policy: ckstore policy clear {run})"
+        )
     obj.open().set_policy(run, pol)
-    console.print(f"run {run}: retention policy {pol.describe()} (the latest checkpoint is always kept)")
+    console.print(
+        f"run {run}: retention policy {pol.describe()} (the latest checkpoint is always kept)"
+    )
 
 
 @policy.command("show")
@@ -195,10 +221,16 @@ def policy_clear(obj: Ctx, run: str) -> None:
 
 
 @click.command()
-@click.option("--deep", is_flag=True, help="Read every chunk, decode it and check it against its digest.")
+@click.option(
+    "--deep", is_flag=True, help="Read every chunk, decode it and check it against its digest."
+)
 @click.option("--repair", is_flag=True, help="Delete orphan objects and stale temp files older than the grace, and "
               "abandoned commits; never data a checkpoint uses.")  # fmt: skip
-@click.option("--grace", metavar="SECONDS", help="Age before an orphan or a silent commit counts as abandoned (default 3600).")
+@click.option(
+    "--grace",
+    metavar="SECONDS",
+    help="Age before an orphan or a silent commit counts as abandoned (default 3600).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
 @handle_errors
@@ -233,22 +265,36 @@ def _render_fsck(rep: Any) -> None:
         for ref, items in by_ckpt.items():
             console.print(f"  [bold]{ref}[/]: {len(items)} damaged chunk uses")
             for d in items[:20]:
-                console.print(f"    rank {d.rank} {d.sub_key} {d.path} chunk {d.chunk or '-'}: {d.problem}", soft_wrap=True)
+                console.print(
+                    f"    rank {d.rank} {d.sub_key} {d.path} chunk {d.chunk or '-'}: {d.problem}",
+                    soft_wrap=True,
+                )
             if len(items) > 20:
                 console.print(f"    … {len(items) - 20} more (see --json)")
-        console.print("restore the missing objects if you can; otherwise delete the damaged checkpoints (ckstore rm REF)")
+        console.print(
+            "restore the missing objects if you can; otherwise delete the damaged checkpoints (ckstore rm REF)"
+        )
     else:
-        console.print("[bold green]ok[/]: every checkpoint's chunks are " + ("intact" if rep.deep else "stored"))
+        console.print(
+            "[bold green]ok[/]: every checkpoint's chunks are "
+            + ("intact" if rep.deep else "stored")
+        )
     if rep.damaged_unused_chunks:
-        console.print(f"{rep.damaged_unused_chunks} damaged chunks no checkpoint uses (gc frees them)")
+        console.print(
+            f"{rep.damaged_unused_chunks} damaged chunks no checkpoint uses (gc frees them)"
+        )
     if rep.orphans:
         size = sum(s for _, s in rep.orphans)
-        console.print(f"{len(rep.orphans)} orphan objects ({human_bytes(size)}) the catalog does not know")
+        console.print(
+            f"{len(rep.orphans)} orphan objects ({human_bytes(size)}) the catalog does not know"
+        )
     if rep.temp_files:
         console.print(f"{len(rep.temp_files)} stale temp files of unfinished writes")
     for p in rep.pending:
         state = f"abandoned: {p.abandoned}" if p.abandoned else "in flight"
-        console.print(f"pending commit {p.run}@{p.step} ({state}; last heartbeat {p.heartbeat_age:.0f}s ago)")
+        console.print(
+            f"pending commit {p.run}@{p.step} ({state}; last heartbeat {p.heartbeat_age:.0f}s ago)"
+        )
     if rep.unreferenced_chunks or rep.trash:
         console.print(
             f"garbage for gc: {rep.unreferenced_chunks} unreferenced chunks ({human_bytes(rep.unreferenced_bytes)}), "
@@ -263,7 +309,9 @@ def _render_fsck(rep: Any) -> None:
 
 @click.command()
 @click.argument("run", required=False)
-@click.option("--checkpoints", "per_ckpt", is_flag=True, help="Also list every checkpoint (implied by RUN).")
+@click.option(
+    "--checkpoints", "per_ckpt", is_flag=True, help="Also list every checkpoint (implied by RUN)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
 @handle_errors
@@ -277,7 +325,11 @@ def du(obj: Ctx, run: str | None, per_ckpt: bool, as_json: bool) -> None:
     runs = [u for u in rep.runs if run is None or u.name == run]
     console.print(_usage_table("runs", runs, rep.total))
     if run or per_ckpt:
-        console.print(_usage_table(f"checkpoints of {run}" if run else "checkpoints", list(rep.checkpoints), None))
+        console.print(
+            _usage_table(
+                f"checkpoints of {run}" if run else "checkpoints", list(rep.checkpoints), None
+            )
+        )
     console.print(
         f"pack objects hold {human_bytes(rep.pack_bytes)}; {human_bytes(rep.garbage_bytes)} of chunks no checkpoint "
         "references (the next gc frees them)"
@@ -286,7 +338,16 @@ def du(obj: Ctx, run: str | None, per_ckpt: bool, as_json: bool) -> None:
 
 def _usage_table(title: str, rows: Sequence[Any], total: Any) -> Table:
     table = Table(title=title)
-    for col in ("name", "ckpts", "logical", "unique", "stored", "dedup", "compression", "freed if dropped"):
+    for col in (
+        "name",
+        "ckpts",
+        "logical",
+        "unique",
+        "stored",
+        "dedup",
+        "compression",
+        "freed if dropped",
+    ):
         table.add_column(col, justify="left" if col == "name" else "right")
     for u in [*rows, *([total] if total is not None else [])]:
         table.add_row(
@@ -300,7 +361,9 @@ def _usage_table(title: str, rows: Sequence[Any], total: Any) -> Table:
 @click.command()
 @click.argument("ref")
 @click.option("--force", is_flag=True, help="Delete even a tagged checkpoint.")
-@click.option("--sweep", is_flag=True, help="Free the bytes now (a gc sweep that drops nothing else).")
+@click.option(
+    "--sweep", is_flag=True, help="Free the bytes now (a gc sweep that drops nothing else)."
+)
 @click.option("--grace", metavar="SECONDS", help="gc grace for --sweep (default 3600).")
 @pass_ctx
 @handle_errors
