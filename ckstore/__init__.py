@@ -22,6 +22,8 @@ from .errors import (
     InvalidRefError,
     LayoutError,
     NotFoundError,
+    PolicyError,
+    ProtectedCheckpointError,
     SchemaVersionError,
     StoreConfigError,
     UnsupportedValueError,
@@ -56,5 +58,7 @@ __all__ = [
     "InvalidRefError",
     "LayoutError",
     "DistributedCommitError",
+    "PolicyError",
+    "ProtectedCheckpointError",
     "__version__",
 ]

@@ -24,6 +24,8 @@ __all__ = [
     "InvalidRefError",
     "LayoutError",
     "DistributedCommitError",
+    "PolicyError",
+    "ProtectedCheckpointError",
 ]
 
 
@@ -89,3 +91,11 @@ class LayoutError(CkstoreError, ValueError):
 
 class DistributedCommitError(CkstoreError):
     """A collective commit or checkout failed on at least one rank."""
+
+
+class PolicyError(CkstoreError, ValueError):
+    """A retention policy (given in Python, on the command line or stored for a run) is malformed."""
+
+
+class ProtectedCheckpointError(CkstoreError):
+    """An explicit delete was refused because the checkpoint is tagged (pass force to delete it)."""

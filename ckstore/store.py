@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 
 RankStates = Mapping[int, Mapping[str, Any]]
 
+if TYPE_CHECKING:  # retention and garbage collection
+    from .du import DuReport
+    from .fsck import FsckReport
+    from .gc import GcReport
+    from .retention import Policy
+
 
 def _default_workers() -> int:
     # threads for hashing, zstd and reads: all release the GIL, and reads wait on the disk or
@@ -278,6 +284,10 @@ class Store:
                 )
         # a plain checkout reads only the ranks asked for; resharding needs every rank's manifest
         mans = self.manifests(ckpt, ranks=rank_list if target is None else None, sub_keys=sub_keys)
+        if not mans and ckpt.ranks:
+            raise CheckpointNotFoundError(
+                f"run {ckpt.run!r}, step {ckpt.step} was deleted (by gc or `ckstore rm`) while it was being checked out"
+            )
         sizes = {t.dtype: itemsize(dtype_from_name(t.dtype)) for m in mans.values() for t in m.tensors}
         plan = plan_checkout(mans, ckpt.world_layout, target, rank_list, sizes, fallback=fallback)
         where = f"run {ckpt.run!r}, step {ckpt.step}"
@@ -364,6 +374,86 @@ class Store:
         if name is None:
             raise StoreConfigError("lineage needs a run: pass run='NAME'")
         return lineage(self, name)
+
+    # -- retention and garbage collection --
+    def set_policy(self, run: str, policy: Policy | None) -> None:
+        """Store ``policy`` as ``run``'s retention policy (None clears it); ``gc()`` applies it."""
+        from .errors import PolicyError
+        from .retention import Policy, policy_to_json
+
+        if policy is not None and not isinstance(policy, Policy):
+            raise PolicyError(f"policy must be a ckstore.retention.Policy, got {type(policy).__name__}")
+        self.catalog.set_run_policy(check_name("run", run), None if policy is None else policy_to_json(policy))
+
+    def policy(self, run: str) -> Policy | None:
+        """``run``'s stored retention policy, or None."""
+        from .retention import policy_from_json
+
+        text = self.catalog.run_policy(run)
+        return None if not text else policy_from_json(text)
+
+    def gc(
+        self,
+        policy: Policy | None = None,
+        *,
+        run: str | None = None,
+        dry_run: bool = False,
+        grace: float | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> GcReport:
+        """Drop the checkpoints retention policies release, then free unreferenced chunks.
+
+        ``policy`` replaces the stored policy of ``run`` (every run when ``run`` is None) for this
+        call; without it each run's stored policy applies, and a run with none keeps everything.
+        A run's latest checkpoint is never dropped. Safe while other processes commit and read;
+        see :mod:`ckstore.gc`. ``progress(phase, done, total)`` is called on long sweeps.
+        """
+        from . import gc as _gc
+
+        return _gc.collect(
+            self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run,
+            grace=_gc.DEFAULT_GRACE if grace is None else grace, progress=progress,
+        )  # fmt: skip
+
+    def delete(self, ref: str | int, *, force: bool = False, run: str | None = None) -> Checkpoint:
+        """Remove one checkpoint from the catalog (a tagged one only with ``force``).
+
+        Its bytes are freed by the next :meth:`gc` (chunks other checkpoints share stay).
+        """
+        from .errors import ProtectedCheckpointError
+
+        ckpt = self.resolve(ref, run=run)
+        if ckpt.tags and not force:
+            raise ProtectedCheckpointError(
+                f"{ckpt.ref} is tagged {', '.join(ckpt.tags)}; untag it first or pass force=True (--force)"
+            )
+        self.catalog.delete_checkpoint(ckpt.id)
+        return ckpt
+
+    def fsck(
+        self,
+        *,
+        deep: bool = False,
+        repair: bool = False,
+        grace: float | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> FsckReport:
+        """Check that every chunk a checkpoint references is stored (``deep``: and decodes to its
+        digest); find orphan objects. ``repair`` removes only orphans and abandoned commits."""
+        from . import fsck as _fsck
+        from .gc import DEFAULT_GRACE
+
+        return _fsck.check(
+            self.catalog, self.blobs, deep=deep, repair=repair,
+            grace=DEFAULT_GRACE if grace is None else grace, workers=self.workers, progress=progress,
+        )  # fmt: skip
+
+    def du(self, run: str | None = None) -> DuReport:
+        """Logical and stored bytes, dedup and compression ratios, and bytes each run and
+        checkpoint alone holds, per run (and per checkpoint of ``run``, or of every run)."""
+        from . import du as _du
+
+        return _du.usage(self.catalog, run)
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -192,6 +192,8 @@ class Catalog:
     def _read(self) -> Iterator[Connection]:
         try:
             with self.engine.connect() as conn:
+                if self.dialect == "postgresql":  # one snapshot for every statement, as SQLite gives
+                    conn = conn.execution_options(isolation_level="REPEATABLE READ")
                 with conn.begin():
                     yield conn
         except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:

@@ -30,9 +30,9 @@ def main(ctx: click.Context, store: str | None, catalog: str | None, run: str | 
 
 
 def _register() -> None:
-    from . import _core, _demo, _diff, _io
+    from . import _core, _demo, _diff, _gc, _io
 
-    for mod in (_core, _demo, _diff, _io):
+    for mod in (_core, _demo, _diff, _gc, _io):
         for cmd in mod.COMMANDS:
             main.add_command(cmd)
 

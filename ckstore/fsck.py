@@ -1,0 +1,389 @@
+"""Consistency checks of a store: :func:`check` behind ``ckstore fsck``.
+
+* every pack that holds chunk rows exists and is long enough for them (``deep``: every chunk is
+  read, decoded and hashed against its digest);
+* every digest a committed checkpoint's manifests list is a chunk that checkpoint references in
+  the catalog (what gc relies on to keep it);
+* objects under ``packs/`` that no pack row or trash row knows are orphans, and pending
+  checkpoints whose owner is gone are abandoned commits.
+
+Damage is mapped back through the manifests to run, step, rank, sub-checkpoint key and tensor.
+``repair`` removes only orphans (older than the grace), stale temp files and abandoned commits;
+it never touches a chunk a checkpoint references.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import func, select
+
+from . import codec, hashing
+from .blobstore import BlobNotFoundError, BlobStore
+from .catalog import Catalog, utcnow
+from .catalog._schema import COMMITTED
+from .errors import BlobStoreError, IntegrityError
+from .gc import (
+    RUNS,
+    TRASH,
+    C,
+    E,
+    K,
+    P,
+    Progress,
+    R,
+    Reaped,
+    catalog_read,
+    catalog_write,
+    judge_pending,
+    list_packs,
+    pending_rows,
+    reap_abandoned,
+    remove_temp_files,
+    stale_temp_files,
+)
+from .manifest import Manifest
+
+__all__ = ["Damage", "FsckReport", "PendingCommit", "check"]
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """One thing a committed checkpoint needs that is missing or corrupt."""
+
+    run: str
+    step: int
+    rank: int
+    sub_key: str
+    path: str  # tensor path in the state dict ("" when the whole entry is unreadable)
+    chunk: str  # digest, hex ("" when not about one chunk)
+    pack: str  # pack key holding the chunk ("" when the catalog has no row for it)
+    problem: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.run}@{self.step}"
+
+    def describe(self) -> str:
+        where = f"{self.ref} rank {self.rank} {self.sub_key}"
+        if self.path:
+            where += f" {self.path}"
+        if self.chunk:
+            where += f" chunk {self.chunk}"
+        return f"{where}: {self.problem}"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCommit:
+    run: str
+    step: int
+    owner: str
+    heartbeat_age: float  # seconds
+    abandoned: str | None  # why gc would reap it, or None while it may be live
+
+
+@dataclass(frozen=True, slots=True)
+class FsckReport:
+    deep: bool
+    checkpoints: int
+    packs: int
+    chunks: int
+    bytes_read: int
+    damage: tuple[Damage, ...]
+    damaged_unused_chunks: int  # damaged chunks no committed checkpoint uses (gc frees them)
+    orphans: tuple[tuple[str, int], ...]  # (key, size) of objects the catalog does not know
+    temp_files: tuple[str, ...]  # stale temp files of unfinished writes (older than the grace)
+    pending: tuple[PendingCommit, ...]
+    trash: int  # objects gc has yet to delete
+    unreferenced_chunks: int  # chunk rows no checkpoint references (gc frees them)
+    unreferenced_bytes: int
+    repaired_orphans: tuple[str, ...]
+    repaired_pending: tuple[Reaped, ...]
+    repaired_temp_files: int
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.damage
+
+    @property
+    def damaged_checkpoints(self) -> list[str]:
+        return list(dict.fromkeys(d.ref for d in self.damage))
+
+
+def _verify_pack(
+    blobs: BlobStore, key: str, size: int, chunks: Sequence[Any]
+) -> tuple[dict[bytes, str], int]:
+    """Read one pack and check every chunk row of it: ``({digest: problem}, bytes read)``."""
+    try:
+        data = memoryview(blobs.read(key))
+    except BlobNotFoundError:
+        return {bytes(c.digest): f"pack object {key} is missing" for c in chunks}, 0
+    except BlobStoreError as e:
+        return {bytes(c.digest): f"pack object {key} cannot be read: {e}" for c in chunks}, 0
+    bad: dict[bytes, str] = {}
+    for c in chunks:
+        d = bytes(c.digest)
+        end = int(c.offset) + int(c.length)
+        if end > len(data):
+            bad[d] = f"pack object {key} is {len(data)} bytes, the chunk ends at byte {end}"
+            continue
+        out = np.empty(int(c.raw_size), dtype=np.uint8)
+        try:
+            codec.decode_into(data[int(c.offset) : end], out.data)
+        except IntegrityError as e:
+            bad[d] = f"chunk frame in {key} at byte {c.offset} is corrupt: {e}"
+            continue
+        if hashing.digest(out.data) != d:
+            bad[d] = f"chunk in {key} at byte {c.offset} does not match its digest (corrupt bytes)"
+    return bad, len(data)
+
+
+def _deep(
+    catalog: Catalog,
+    blobs: BlobStore,
+    packs: Sequence[Any],
+    workers: int,
+    progress: Progress | None,
+) -> tuple[dict[bytes, tuple[str, str]], int, int]:
+    bad: dict[bytes, tuple[str, str]] = {}
+    total_read = 0
+    checked = 0
+
+    def one(p: Any) -> tuple[Any, dict[bytes, str], int, int]:
+        with catalog_read(catalog) as conn:
+            rows = conn.execute(
+                select(K.c.digest, K.c.offset, K.c.length, K.c.raw_size)
+                .where(K.c.pack_id == p.id)
+                .order_by(K.c.offset)
+            ).all()
+        found, n = _verify_pack(blobs, p.key, int(p.size), rows)
+        if found and not blobs.exists(p.key):
+            with catalog_read(catalog) as conn:  # swept by a gc running meanwhile: not damage
+                if conn.execute(select(P.c.id).where(P.c.id == p.id)).first() is None:
+                    return p, {}, n, 0
+        return p, found, n, len(rows)
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="ckstore-fsck") as pool:
+        for i, (p, found, n, nrows) in enumerate(pool.map(one, packs)):
+            total_read += n
+            checked += nrows
+            for d, why in found.items():
+                bad[d] = (p.key, why)
+            if progress is not None:
+                progress("read", i + 1, len(packs))
+    return bad, total_read, checked
+
+
+def _shallow(
+    catalog: Catalog,
+    conn: Any,
+    blobs: BlobStore,
+    packs: Sequence[Any],
+    listing: Mapping[str, tuple[int, float | None]],
+) -> dict[bytes, tuple[str, str]]:
+    """Chunks whose pack object is missing, or too short for them.
+
+    The listing is older than the catalog snapshot, so a pack missing from it is looked up again
+    (a commit may have written it since), and a flagged pack whose row a gc running meanwhile has
+    removed is not damage (gc deletes rows before objects).
+    """
+    flagged = []
+    for p in packs:
+        if p.key not in listing:
+            if blobs.exists(p.key):
+                continue
+            flagged.append(
+                (
+                    p,
+                    select(K.c.digest).where(K.c.pack_id == p.id),
+                    f"pack object {p.key} is missing",
+                )
+            )
+        elif listing[p.key][0] < int(p.end):
+            size = listing[p.key][0]
+            q = select(K.c.digest).where(K.c.pack_id == p.id, K.c.offset + K.c.length > size)
+            flagged.append(
+                (
+                    p,
+                    q,
+                    f"pack object {p.key} is {size} bytes, shorter than its chunks need ({p.end})",
+                )
+            )
+    if not flagged:
+        return {}
+    with catalog_read(catalog) as fresh:
+        still = {
+            i
+            for (i,) in fresh.execute(
+                select(P.c.id).where(P.c.id.in_([p.id for p, _, _ in flagged]))
+            )
+        }
+    bad: dict[bytes, tuple[str, str]] = {}
+    for p, q, why in flagged:
+        if p.id in still:
+            for (d,) in conn.execute(q):
+                bad[bytes(d)] = (p.key, why)
+    return bad
+
+
+def _walk_manifests(
+    conn: Any, ckpts: Sequence[Any], bad: Mapping[bytes, tuple[str, str]]
+) -> tuple[list[Damage], set[bytes]]:
+    """Damage per (checkpoint, rank, key, tensor, chunk), and the damaged digests in use."""
+    damage: list[Damage] = []
+    used_bad: set[bytes] = set()
+    for ck in ckpts:
+        refs = {
+            bytes(d)
+            for (d,) in conn.execute(
+                select(K.c.digest)
+                .select_from(R.join(K, K.c.id == R.c.chunk_id))
+                .where(R.c.checkpoint_id == ck.id)
+            )
+        }
+        entries = conn.execute(
+            select(E.c.rank, E.c.sub_key, E.c.manifest)
+            .where(E.c.checkpoint_id == ck.id)
+            .order_by(E.c.rank, E.c.id)
+        )
+        for e in entries:
+            try:
+                man = Manifest.from_bytes(bytes(e.manifest))
+            except IntegrityError as err:
+                damage.append(
+                    Damage(ck.name, int(ck.step), int(e.rank), e.sub_key, "", "", "", str(err))
+                )
+                continue
+            for t in man.tensors:
+                for d in dict.fromkeys(t.chunks):
+                    if d in bad:
+                        used_bad.add(d)
+                        key, why = bad[d]
+                        damage.append(
+                            Damage(
+                                ck.name,
+                                int(ck.step),
+                                int(e.rank),
+                                e.sub_key,
+                                t.path,
+                                d.hex(),
+                                key,
+                                why,
+                            )
+                        )
+                    elif d not in refs:
+                        damage.append(
+                            Damage(
+                                ck.name, int(ck.step), int(e.rank), e.sub_key, t.path, d.hex(), "",
+                                "the catalog has no reference from this checkpoint to the chunk, so nothing "
+                                "protects it from gc (and it may already be gone)",
+                            )
+                        )  # fmt: skip
+    return damage, used_bad
+
+
+def check(
+    catalog: Catalog,
+    blobs: BlobStore,
+    *,
+    deep: bool = False,
+    repair: bool = False,
+    grace: float,
+    workers: int = 2,
+    progress: Progress | None = None,
+) -> FsckReport:
+    t0 = time.perf_counter()
+    now = utcnow()
+    cutoff = time.time() - grace
+    listing = list_packs(blobs, progress)  # before the catalog read: an unknown object is an orphan
+
+    with catalog_read(catalog) as conn:
+        packs = conn.execute(
+            select(
+                P.c.id,
+                P.c.key,
+                P.c.size,
+                func.max(K.c.offset + K.c.length).label("end"),
+                func.count().label("n"),
+            )
+            .select_from(P.join(K, K.c.pack_id == P.c.id))
+            .group_by(P.c.id, P.c.key, P.c.size)
+            .order_by(P.c.id)
+        ).all()
+        known = {k for (k,) in conn.execute(select(P.c.key))} | {
+            k for (k,) in conn.execute(select(TRASH.c.key))
+        }
+        trash = int(conn.execute(select(func.count()).select_from(TRASH)).scalar_one())
+        unref_n, unref_b = conn.execute(
+            select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(
+                ~select(R.c.chunk_id).where(R.c.chunk_id == K.c.id).exists()
+            )
+        ).one()
+        pend = []
+        for r in pending_rows(conn):
+            verdict = judge_pending(r.owner, r.heartbeat_at, grace, now)
+            pend.append(
+                PendingCommit(
+                    r.name, int(r.step), r.owner, _age(now, r.heartbeat_at), verdict and verdict[0]
+                )
+            )
+        bad = _shallow(catalog, conn, blobs, packs, listing)
+        chunks = sum(int(p.n) for p in packs)
+        bytes_read = 0
+        if deep:
+            more, bytes_read, _ = _deep(
+                catalog, blobs, [p for p in packs if p.key in listing], workers, progress
+            )
+            for d, v in more.items():
+                bad.setdefault(d, v)
+        ckpts = conn.execute(
+            select(C.c.id, RUNS.c.name, C.c.step)
+            .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id))
+            .where(C.c.status == COMMITTED)
+            .order_by(RUNS.c.id, C.c.step)
+        ).all()
+        damage, used_bad = _walk_manifests(conn, ckpts, bad)
+
+    orphans = tuple(sorted((k, listing[k][0]) for k in listing if k not in known))
+    temps = tuple(stale_temp_files(blobs, cutoff))
+    fixed_orphans: tuple[str, ...] = ()
+    fixed_pending: tuple[Reaped, ...] = ()
+    fixed_temps = 0
+    if repair:
+        old = [k for k, _ in orphans if (listing[k][1] is not None and listing[k][1] < cutoff)]  # type: ignore[operator]
+        blobs.delete(old)
+        fixed_orphans = tuple(old)
+        with catalog_write(catalog) as conn:
+            fixed_pending = tuple(reap_abandoned(conn, grace, utcnow()))
+        fixed_temps = remove_temp_files(temps)
+    return FsckReport(
+        deep=deep,
+        checkpoints=len(ckpts),
+        packs=len(packs),
+        chunks=chunks,
+        bytes_read=bytes_read,
+        damage=tuple(damage),
+        damaged_unused_chunks=len(set(bad) - used_bad),
+        orphans=orphans,
+        temp_files=temps,
+        pending=tuple(pend),
+        trash=trash,
+        unreferenced_chunks=int(unref_n),
+        unreferenced_bytes=int(unref_b),
+        repaired_orphans=fixed_orphans,
+        repaired_pending=fixed_pending,
+        repaired_temp_files=fixed_temps,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _age(now: Any, at: Any) -> float:
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=now.tzinfo)
+    return float((now - at).total_seconds())

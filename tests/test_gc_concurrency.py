@@ -1,0 +1,231 @@
+"""gc against real processes: commits and gc running at once, and both killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import assert_same
+
+import ckstore
+from ckstore.retention import BestN, LatestN
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN = os.environ.get("CKSTORE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+# the states every process derives from a step number
+STATES = """
+import torch
+SHARED = torch.arange(300_000, dtype=torch.float32)
+def state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"model_states": {"shared": SHARED, "w": torch.randn(160, 256, generator=g)},
+            "optim_states": {"m": torch.randn(64, 256, generator=g), "step": step}}
+def val_loss(step):
+    return abs(step - 7) / 10 + 0.1
+"""
+_ns: dict[str, Any] = {}
+exec(STATES, _ns)  # noqa: S102 - the very source the child processes run
+state, val_loss = _ns["state"], _ns["val_loss"]
+
+
+def spawn(body: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    script = STATES + "\nimport ckstore, os, sys, json\n" + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_ready(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        if line != "ready":
+            p.kill()
+            raise AssertionError(
+                f"child did not start: {line!r} {p.stderr.read() if p.stderr else ''}"
+            )
+
+
+def pack_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path / "packs").rglob("*") if p.is_file())
+
+
+def check_every_checkpoint(s: ckstore.Store) -> list[int]:
+    steps = []
+    for ck in s.checkpoints():
+        assert_same(s.load(ck)[0], state(ck.step))
+        steps.append(ck.step)
+    return steps
+
+
+def assert_clean(s: ckstore.Store) -> None:
+    rep = s.fsck(deep=True)
+    assert rep.ok, [d.describe() for d in rep.damage]
+    assert not rep.orphans and not rep.temp_files and not rep.pending
+    assert rep.trash == 0 and rep.unreferenced_chunks == 0
+
+
+@pytest.fixture
+def pg_catalog() -> Iterator[str]:
+    psycopg = pytest.importorskip("psycopg")
+    name = f"ckstore_gc_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN}: {e}")
+    admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+
+
+def _commits_against_gc(path: Path, catalog: str | None) -> None:
+    n = 20
+    s = ckstore.open(path, catalog=catalog, chunk_size=64 * 1024, pack_size=1024 * 1024)
+    stop = path.parent / "stop"
+    committer = spawn(
+        f"""
+        s = ckstore.open({str(path)!r}, run="train")
+        print("ready", flush=True)
+        for step in range({n}):
+            s.commit(step, {{0: state(step)}}, {{"val_loss": val_loss(step)}})
+        """
+    )
+    collector = spawn(
+        f"""
+        from ckstore.retention import LatestN, BestN
+        from pathlib import Path
+        s = ckstore.open({str(path)!r})
+        policy = LatestN(2) | BestN(1, "val_loss")
+        print("ready", flush=True)
+        runs, peak, dropped, trace = 0, 0, 0, []
+        while not os.path.exists({str(stop)!r}):
+            dropped += len(s.gc(policy, grace=60).dropped)
+            runs += 1
+            size = sum(p.stat().st_size for p in Path({str(path)!r}, "packs").rglob("*") if p.is_file())
+            peak = max(peak, size)
+            trace.append((size, len(s.checkpoints())))
+        print(json.dumps({{"runs": runs, "peak": peak, "dropped": dropped, "trace": trace}}), flush=True)
+        """
+    )
+    try:
+        wait_ready(committer, collector)
+        reads = 0
+        rng = random.Random(0)
+        while committer.poll() is None:  # read while both write
+            ckpts = s.checkpoints()
+            if not ckpts:
+                time.sleep(0.05)
+                continue
+            ck = rng.choice(ckpts)
+            try:
+                out = s.load(ck)
+            except (ckstore.CheckpointNotFoundError, ckstore.ChunkNotFoundError):
+                # only a checkpoint gc dropped meanwhile may fail to load, and never with wrong bytes
+                assert ck.id not in {c.id for c in s.checkpoints()}
+                continue
+            assert_same(out[0], state(ck.step))
+            reads += 1
+        assert committer.returncode == 0, committer.stderr.read() if committer.stderr else ""
+        stop.touch()
+        out, err = collector.communicate(timeout=120)
+        assert collector.returncode == 0, err
+        stats = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in (committer, collector):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    assert stats["runs"] >= 3 and stats["dropped"] > 0 and reads > 0
+    final = s.gc(LatestN(2) | BestN(1, "val_loss"), grace=60)
+    assert check_every_checkpoint(s) == [7, n - 2, n - 1]
+    assert_clean(s)
+    # space stays bounded while training: after every gc the packs hold about as many checkpoints
+    # as the catalog lists (+ one in flight, + the dead part of the first pack, which the shared
+    # tensor's chunks keep), however many were committed
+    one = s.du().checkpoints[-1].stored_bytes  # one whole checkpoint, shared tensor included
+    for size, listed in stats["trace"]:
+        assert size <= (listed + 3) * one, (size, listed, one, final)
+    assert stats["peak"] < n * one / 2
+    # (the kept three, plus the dead part of the first pack, which the live shared chunks hold)
+    assert pack_bytes(path) <= 5 * one
+    s.close()
+
+
+def test_gc_loop_beside_a_commit_loop_keeps_every_listed_checkpoint(tmp_path: Path) -> None:
+    _commits_against_gc(tmp_path / "store", None)
+
+
+@pytest.mark.postgres
+def test_gc_loop_beside_a_commit_loop_on_postgres(tmp_path: Path, pg_catalog: str) -> None:
+    _commits_against_gc(tmp_path / "store", pg_catalog)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    path = tmp_path / "store"
+    s = ckstore.open(path, run="r", chunk_size=64 * 1024, pack_size=256 * 1024)
+    for step in range(3):
+        s.commit(step, {0: state(step)})
+    committer = spawn(
+        f"""
+        s = ckstore.open({str(path)!r}, run="r")
+        print("ready", flush=True)
+        step = 3
+        while True:
+            s.commit(step, {{0: state(step)}})
+            step += 1
+        """
+    )
+    collector = spawn(
+        f"""
+        from ckstore.retention import LatestN
+        s = ckstore.open({str(path)!r})
+        print("ready", flush=True)
+        while True:
+            s.gc(LatestN(2), grace=60)
+        """
+    )
+    procs = [committer, collector]
+    try:
+        wait_ready(*procs)
+        rng.shuffle(procs)
+        time.sleep(rng.uniform(0.2, 1.2))
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        time.sleep(rng.uniform(0.0, 0.5))
+        assert procs[1].poll() is None, procs[1].stderr.read() if procs[1].stderr else ""
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    rep = s.fsck(deep=True)  # whatever the kills interrupted, no kept checkpoint is damaged
+    assert rep.ok, [d.describe() for d in rep.damage]
+    steps = check_every_checkpoint(s)
+    assert steps[-1] >= 2 and len(steps) >= 2
+    report = s.gc(LatestN(2), grace=0)  # the next gc finishes the cleaning
+    assert all("is gone" in r.why for r in report.reaped)
+    assert check_every_checkpoint(s) == steps[-2:]
+    assert_clean(s)
+    s.commit(steps[-1] + 1, {0: state(steps[-1] + 1)})  # and the store takes commits again
+    assert_same(s.checkout("latest")[0], state(steps[-1] + 1))
