@@ -70,5 +70,11 @@ def test_python_dash_m_and_demo(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "resumed 10 steps from step" in proc.stdout
+    assert "identical without reading a byte (model_states/embed.weight)" in proc.stdout
     s = ckstore.open(tmp_path / "ckstore-demo")
-    assert [c.step for c in s.checkpoints("t")] == [10, 20, 30]
+    # gc kept the last two and the best by val_loss; the fine-tune forked from the best
+    kept = [c.step for c in s.checkpoints("t")]
+    best = s.resolve("t@min:val_loss").step
+    assert kept == sorted({20, 30, best})
+    assert s.lineage("t-ft")[0].ref == f"t@{best}"
+    assert s.fsck().ok

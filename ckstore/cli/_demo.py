@@ -26,7 +26,10 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     from ckstore.demo import DemoConfig, Trainer, train
 
     from ._core import log_table
+    from ckstore.retention import BestN, ByKind, KeepAll, LatestN
+
     from ._diff import render as render_diff
+    from ._gc import render_gc
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     location = obj.location or DEFAULT_STORE
@@ -93,6 +96,20 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
         f"{len(same)} tensor(s) identical without reading a byte ({', '.join(same) or 'none'}); "
         f"{len(res.changed)} changed; {read / 2**20:.2f} MiB read from the store"
     )
+
+    console.rule(f"[bold]6. retention: keep the last 2, the best by val_loss and every epoch checkpoint of {run_name}[/]")
+    policy = LatestN(2) | BestN(1, "val_loss") | ByKind("epoch", KeepAll())
+    store.set_policy(run_name, policy)
+    before = store.du()
+    report = store.gc()
+    render_gc(report)
+    after = store.du()
+    console.print(
+        f"packs on disk {before.pack_bytes / 2**20:.1f} MiB -> {after.pack_bytes / 2**20:.1f} MiB; "
+        f"kept {', '.join(str(c.step) for c in store.checkpoints(run_name))}"
+    )
+    best_after = store.resolve("min:val_loss")
+    store.checkout(best_after.ref)  # every kept checkpoint still checks out, verified
     console.print(f"\ndone. Explore with: ckstore --store {location} log {run_name}")
 
 
