@@ -140,13 +140,28 @@ def stage_and_hash(
     return staged
 
 
-def _unique_missing(staged: Sequence[StagedTensor], missing: set[bytes], chunk_size: int) -> Iterator[tuple[bytes, memoryview, int]]:
+#: Chunks below this size go into packs of their own, ahead of the large ones. Small tensors
+#: (RNG states, step counters, norms) often outlive the checkpoint that first stored them; kept
+#: apart, such a chunk pins a small pack rather than a pack full of large, short-lived chunks.
+SMALL_CHUNK = 256 * 1024
+
+
+def _unique_missing(
+    staged: Sequence[StagedTensor], missing: set[bytes], chunk_size: int
+) -> Iterator[tuple[bytes, memoryview, int]]:
+    """The missing chunks, each once: every small chunk first, then the large ones in order."""
     seen: set[bytes] = set()
+    large: list[tuple[bytes, memoryview, int]] = []
     for st in staged:
         for i, d in enumerate(st.digests):
             if d in missing and d not in seen:
                 seen.add(d)
-                yield d, st.chunk(i, chunk_size), st.itemsize
+                raw = st.chunk(i, chunk_size)
+                if raw.nbytes < SMALL_CHUNK:
+                    yield d, raw, st.itemsize
+                else:
+                    large.append((d, raw, st.itemsize))
+    yield from large
 
 
 def write_missing(
@@ -170,7 +185,13 @@ def write_missing(
             progress(raw.nbytes)
 
     try:
+        small = True
         for d, raw, item in _unique_missing(staged, missing, chunk_size):
+            if small and raw.nbytes >= SMALL_CHUNK:  # close the pack of small chunks
+                small = False
+                while inflight:
+                    drain_one()
+                writer.close()
             inflight.append((d, raw, pool.submit(codec.encode, raw, item, level)))
             if len(inflight) >= window:
                 drain_one()

@@ -325,3 +325,19 @@ def test_bad_arguments(store: ckstore.Store) -> None:
     with pytest.raises(ckstore.PolicyError, match="run 'exp' has a malformed stored policy"):
         store.gc()
     assert steps(store) == [1]
+
+
+def test_long_lived_small_chunk_does_not_pin_large_chunks(tmp_path: Path) -> None:
+    """Small chunks go to their own pack, so an unchanging RNG state frees the big pack."""
+    from ckstore.retention import LatestN
+
+    s = ckstore.open(tmp_path / "s", run="r", chunk_size=1024 * 1024, pack_size=64 * 1024 * 1024)
+    rng = torch.randint(0, 255, (5056,), dtype=torch.uint8)  # like torch.get_rng_state(), never changes
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        s.commit(step, {0: {"model_states": {"w": torch.randn(1024, 1024, generator=g)}, "rng": {"cpu": rng}}})
+    report = s.gc(LatestN(1))
+    assert report.dropped == ["r@0", "r@1"]
+    remaining = sum(b.size for b in s.blobs.list("packs/"))
+    assert remaining < 1.1 * 4 * 1024 * 1024  # one checkpoint's weights plus the small pack
+    assert torch.equal(s.checkout(2)[0]["rng"]["cpu"], rng)

@@ -222,7 +222,8 @@ def _packs_needed(raw_bytes: int, chunks: int, pack_size: int) -> int:
     closed once it reaches ``pack_size``, so all but the last hold at least that much)."""
     if not chunks:
         return 0
-    return (raw_bytes + chunks * _MAX_FRAME_OVERHEAD) // (pack_size - len(PACK_HEADER)) + 1
+    # + 2: the last, partly filled pack, and the pack of small chunks closed ahead of the others
+    return (raw_bytes + chunks * _MAX_FRAME_OVERHEAD) // (pack_size - len(PACK_HEADER)) + 2
 
 
 def assign_writers(
