@@ -37,7 +37,7 @@ import os
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
@@ -182,7 +182,7 @@ class BlobStore(ABC):
     def _read(self, key: str, start: int, end: int | None) -> bytes: ...
 
     @abstractmethod
-    def _delete(self, keys: list[str]) -> None: ...
+    def _delete(self, keys: Sequence[str]) -> None: ...
 
     @abstractmethod
     def _list(self, prefix: str) -> Iterator[BlobInfo]: ...
@@ -224,7 +224,7 @@ class LocalBlobStore(BlobStore):
         tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
         f = open(tmp, "wb", buffering=0)
         try:
-            yield f  # type: ignore[misc]
+            yield f
             if self.fsync:
                 os.fdatasync(f.fileno())
             f.close()
@@ -286,7 +286,7 @@ class LocalBlobStore(BlobStore):
             )
         return data
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             try:
                 os.unlink(self._path(key))
@@ -503,7 +503,7 @@ class FsspecBlobStore(BlobStore):
             )
         return data
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, keys: Sequence[str]) -> None:
         paths = [self._path(k) for k in keys]
         for i in range(0, len(paths), 1000):
             batch = paths[i : i + 1000]

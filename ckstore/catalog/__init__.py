@@ -311,9 +311,11 @@ class Catalog:
     ) -> int:
         """Insert a pending checkpoint row for ``(run, step)`` and return its id.
 
-        A pending row whose owner is gone (dead process on this host, or an expired lease
-        elsewhere) is taken over; a live one raises :class:`CommitInProgressError`.
+        A pending row whose owner is gone (a dead process on this host, a commit of this process
+        that failed without cleaning up, or a lease not renewed in time) is taken over; a live
+        one raises :class:`CommitInProgressError`.
         """
+        _live(owner.nonce, True)  # until finish_checkpoint or abort_checkpoint
         for attempt in range(3):
             try:
                 with self._write() as conn:
@@ -356,15 +358,10 @@ class Catalog:
                             parent_checkpoint_id=parent_checkpoint_id,
                         )
                     )
-                    ckpt_id = int(res.inserted_primary_key[0])
-                    _live(owner.nonce, True)
-                return ckpt_id
-            except sa_exc.IntegrityError as e:
+                    return int(res.inserted_primary_key[0])  # type: ignore[index]
+            except sa_exc.IntegrityError:
                 if attempt == 2:
-                    raise CommitInProgressError(
-                        f"other processes keep starting step {step} of run {run!r} at the same time; "
-                        "commit each step from one process"
-                    ) from e
+                    raise
         raise AssertionError("unreachable")
 
     def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
