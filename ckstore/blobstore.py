@@ -126,6 +126,8 @@ class BlobStore(ABC):
 
     #: True when objects live on a local (or locally mounted) file system.
     is_local: bool = False
+    #: How many objects a commit may have uploading at once (each fully written by one thread).
+    write_concurrency: int = 1
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -419,7 +421,10 @@ class FsspecBlobStore(BlobStore):
     ``buffer_limit`` bytes) a multipart upload that becomes visible only when completed; an
     exclusive put is a conditional write. Every request is retried ``attempts`` times at most
     on transient failures, with exponential backoff. S3 requests time out (see
-    :data:`S3_CONFIG_DEFAULTS`). Credentials and endpoints come from the environment
+    :data:`S3_CONFIG_DEFAULTS`). A commit uploads up to ``write_concurrency`` packs at once
+    (each buffered in memory up to ``buffer_limit`` bytes). ``attempts``, ``buffer_limit`` and
+    ``write_concurrency`` may be given among a store's ``storage_options``; the others go to
+    fsspec. Credentials and endpoints come from the environment
     (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, …), fsspec's configuration or
     ``storage_options``; ckstore never stores them.
     """
@@ -430,6 +435,7 @@ class FsspecBlobStore(BlobStore):
         *,
         attempts: int = 4,
         buffer_limit: int = 128 * 1024 * 1024,
+        write_concurrency: int = 3,
         **storage_options: Any,
     ) -> None:
         import fsspec
@@ -446,7 +452,9 @@ class FsspecBlobStore(BlobStore):
             self.fs.retries = 1  # s3fs's own loop; ckstore's retry loop takes over
         self.attempts = attempts
         self.root = root.rstrip("/")
-        self.buffer_limit: int | None = None if "memory" in _protocols(self.fs) else buffer_limit
+        memory = "memory" in _protocols(self.fs)
+        self.buffer_limit: int | None = None if memory else buffer_limit
+        self.write_concurrency = 1 if memory else max(1, write_concurrency)
 
     def _path(self, key: str) -> str:
         _check_key(key)

@@ -73,7 +73,9 @@ def sample_states(step: int, ranks: int = 2) -> dict[int, dict[str, Any]]:
 def mp_context() -> Any:
     """Processes forked from a clean server that has the heavy modules imported already."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "ckstore", "sqlalchemy", "psycopg", "s3fs"])
+    ctx.set_forkserver_preload(
+        ["torch", "ckstore", "ckstore.store", "alembic.command", "sqlalchemy.dialects.postgresql", "psycopg", "s3fs"]
+    )
     return ctx
 
 
