@@ -147,8 +147,14 @@ def execute_plan(
                     with lock:
                         progress(done)
 
-            for fut in [pool.submit(run, rd) for rd in reads]:
-                fut.result()
+            futures = [pool.submit(run, rd) for rd in reads]
+            try:
+                for fut in futures:
+                    fut.result()
+            except BaseException:
+                for fut in futures:  # fail fast: reads not started yet never start
+                    fut.cancel()
+                raise
             if staged is not None:
                 for bx in boxes_by_src.get(unit, ()):  # type: ignore[arg-type]
                     dst = tensors[bx.dst]

@@ -11,10 +11,18 @@ Contract for every implementation
   raises, nothing is left visible.
 * Writing a key that already exists with the same bytes is harmless; ckstore never writes
   different bytes under one key.
+* :meth:`BlobStore.put` with ``exclusive=True`` creates the object only if the key is free and
+  raises :class:`BlobExistsError` otherwise (a link on a local disk, a conditional put
+  ``If-None-Match: *`` on S3). Stores use it for their config object, so two processes creating
+  one store at once agree on its settings.
 * :meth:`BlobStore.read` returns exactly the bytes asked for or raises
   :class:`BlobNotFoundError` / :class:`~ckstore.errors.BlobStoreError`.
 * :meth:`BlobStore.delete` ignores keys that are already gone.
 * Every method may be called from many threads at once.
+* A backend that talks to a server never waits forever: requests time out, transient failures
+  (connection refused or reset, timeouts, throttling, 5xx answers) are retried a bounded number
+  of times with exponential backoff, and then surface as :class:`~ckstore.errors.BlobStoreError`
+  naming the object and the store.
 
 Only garbage collection deletes. Subclasses implement the underscored methods; the public
 methods count requests and bytes in :attr:`BlobStore.stats` so tests and benchmarks can see
@@ -23,10 +31,10 @@ exactly what a checkout read.
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import threading
-import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,15 +42,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
-from .errors import BlobStoreError, CkstoreError
+from ._retry import retry
+from .errors import BlobStoreError, StoreConfigError
 
 __all__ = [
     "BlobNotFoundError",
+    "BlobExistsError",
     "BlobInfo",
     "BlobStats",
     "BlobStore",
     "LocalBlobStore",
     "FsspecBlobStore",
+    "S3_CONFIG_DEFAULTS",
     "open_blobstore",
     "is_local_url",
 ]
@@ -52,6 +63,10 @@ T = TypeVar("T")
 
 class BlobNotFoundError(BlobStoreError, FileNotFoundError):
     """No object under that key."""
+
+
+class BlobExistsError(BlobStoreError, FileExistsError):
+    """An exclusive put found its key already taken."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +126,8 @@ class BlobStore(ABC):
 
     #: True when objects live on a local (or locally mounted) file system.
     is_local: bool = False
+    #: How many objects a commit may have uploading at once (each fully written by one thread).
+    write_concurrency: int = 1
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -125,9 +142,16 @@ class BlobStore(ABC):
             yield w
         self.stats.add(writes=1, bytes_written=w.written)
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        with self.writer(key) as w:
-            w.write(data)
+    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
+        """Write a whole object; with ``exclusive`` only if ``key`` is free (else
+        :class:`BlobExistsError`)."""
+        if not exclusive:
+            with self.writer(key) as w:
+                w.write(data)
+            return
+        view = memoryview(data)
+        self._put_exclusive(key, view)
+        self.stats.add(writes=1, bytes_written=view.nbytes)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of ``key`` (to the end when ``end`` is None)."""
@@ -167,6 +191,9 @@ class BlobStore(ABC):
 
     @abstractmethod
     def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _put_exclusive(self, key: str, data: memoryview) -> None: ...
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -218,6 +245,28 @@ class LocalBlobStore(BlobStore):
             except FileNotFoundError:
                 pass
             raise
+
+    def _put_exclusive(self, key: str, data: memoryview) -> None:
+        path = self._path(key)
+        tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                f.write(data)
+                if self.fsync:
+                    os.fdatasync(f.fileno())
+            parent = os.path.dirname(path)
+            os.makedirs(parent, exist_ok=True)
+            try:
+                os.link(tmp, path)  # atomic, and fails when the name is taken
+            except FileExistsError as e:
+                raise BlobExistsError(f"object {key!r} already exists in {self.url}") from e
+            if self.fsync:
+                _fsync_dir(parent)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
 
     def _read(self, key: str, start: int, end: int | None) -> bytes:
         path = self._path(key)
@@ -286,88 +335,175 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-_TRANSIENT = (ConnectionError, TimeoutError)
+#: botocore settings every S3 store starts from; ``storage_options={"config_kwargs": {...}}``
+#: overrides any of them. botocore does not retry on its own: ckstore's retry loop does (see
+#: :mod:`ckstore._retry`), so a dead endpoint fails after a known number of bounded attempts.
+S3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 30,
+    "retries": {"total_max_attempts": 1},
+    "max_pool_connections": 32,
+}
 
 
-def _retry(what: str, fn: Callable[[], T], attempts: int = 5, base_delay: float = 0.2) -> T:
-    """Call ``fn``, retrying transient failures with exponential backoff."""
-    for i in range(attempts):
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def _with_defaults(protocol: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(storage_options)
+    if protocol == "memory":
+        return opts
+    # another process may have written or deleted objects: never answer from a stale listing
+    opts.setdefault("use_listings_cache", False)
+    if protocol in ("s3", "s3a"):
+        # a deep copy: botocore edits the retries dict it is given
+        opts["config_kwargs"] = copy.deepcopy({**S3_CONFIG_DEFAULTS, **(opts.get("config_kwargs") or {})})
+        # a private client, whose own retry count ckstore sets (see FsspecBlobStore.__init__)
+        opts.setdefault("skip_instance_cache", True)
+    return opts
+
+
+class _ObjectWriter:
+    """One new object: bytes are buffered and put in one request; past ``limit`` bytes they
+    stream into an upload (S3 multipart) that becomes visible only when completed."""
+
+    def __init__(self, store: FsspecBlobStore, key: str, path: str, limit: int | None) -> None:
+        self._store, self._key, self._path, self._limit = store, key, path, limit
+        self._buf: io.BytesIO | None = io.BytesIO()
+        self._f: Any = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        if self._buf is None:
+            return self._stream(data)
+        n = self._buf.write(data)
+        if self._limit is not None and self._buf.tell() > self._limit:
+            buf, self._buf = self._buf, None
+            try:
+                self._f = self._store.fs.open(self._path, "wb", autocommit=False)
+            except Exception as e:  # noqa: BLE001
+                raise self._store._error(f"opening an upload of {self._key!r}", e) from e
+            self._stream(buf.getbuffer())
+        return n
+
+    def _stream(self, data: bytes | memoryview) -> int:
         try:
-            return fn()
-        except FileNotFoundError:
-            raise
-        except CkstoreError:
-            raise
-        except Exception as e:  # noqa: BLE001 - fsspec backends raise many kinds
-            transient = isinstance(e, _TRANSIENT) or _looks_transient(e)
-            if not transient or i == attempts - 1:
-                raise BlobStoreError(f"{what} failed: {type(e).__name__}: {e}") from e
-            time.sleep(base_delay * (2**i))
-    raise AssertionError("unreachable")
+            return int(self._f.write(data))
+        except Exception as e:  # noqa: BLE001 - a part upload failed after the backend's retries
+            raise self._store._error(f"uploading {self._key!r}", e) from e
 
+    def finish(self) -> None:
+        store = self._store
+        if self._buf is not None:
+            data = self._buf.getvalue()
+            store._call(f"writing {self._key!r}", lambda: store.fs.pipe_file(self._path, data), self._key)
+            return
+        try:
+            self._f.close()  # uploads the last part; the object is not visible yet
+        except Exception as e:  # noqa: BLE001
+            raise store._error(f"uploading {self._key!r}", e) from e
+        store._call(f"completing the upload of {self._key!r}", self._f.commit, self._key)
 
-def _looks_transient(e: BaseException) -> bool:
-    text = f"{type(e).__name__} {e}".lower()
-    return any(
-        word in text
-        for word in ("timeout", "timed out", "connection", "throttl", "slowdown", "503", "500", "reset")
-    )
+    def discard(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.discard()
+            except Exception:  # noqa: BLE001 - best effort; an unfinished upload is never visible
+                pass
+            self._f.closed = True  # discarded: closing it later must not upload the rest
 
 
 class FsspecBlobStore(BlobStore):
     """Objects on any fsspec file system (``s3://``, ``gs://``, ``memory://``, …).
 
-    Object stores have no rename: an object is written with a single put, or a multipart
-    upload that becomes visible only when completed. Transient failures are retried with
-    exponential backoff. Credentials come from the environment and fsspec's own
-    configuration; they are never stored by ckstore.
+    Object stores have no rename: an object is written with a single put, or (past
+    ``buffer_limit`` bytes) a multipart upload that becomes visible only when completed; an
+    exclusive put is a conditional write. Every request is retried ``attempts`` times at most
+    on transient failures, with exponential backoff. S3 requests time out (see
+    :data:`S3_CONFIG_DEFAULTS`). A commit uploads up to ``write_concurrency`` packs at once
+    (each buffered in memory up to ``buffer_limit`` bytes). ``attempts``, ``buffer_limit`` and
+    ``write_concurrency`` may be given among a store's ``storage_options``; the others go to
+    fsspec. Credentials and endpoints come from the environment
+    (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, …), fsspec's configuration or
+    ``storage_options``; ckstore never stores them.
     """
 
-    def __init__(self, url: str, **storage_options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        attempts: int = 4,
+        buffer_limit: int = 128 * 1024 * 1024,
+        write_concurrency: int = 3,
+        **storage_options: Any,
+    ) -> None:
         import fsspec
 
         super().__init__(url.rstrip("/"))
-        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        protocol = url.split("://", 1)[0]
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **_with_defaults(protocol, storage_options))
+        except ImportError as e:
+            raise StoreConfigError(f"cannot open {url}: {e} (pip install 'ckstore[{protocol}]')") from e
+        except (ValueError, TypeError) as e:
+            raise StoreConfigError(f"cannot open {url}: {e}") from e
+        if protocol in ("s3", "s3a"):
+            self.fs.retries = 1  # s3fs's own loop; ckstore's retry loop takes over
+        self.attempts = attempts
         self.root = root.rstrip("/")
-        self._buffered = self.fs.protocol in ("memory",) or "memory" in tuple(self.fs.protocol)
+        memory = "memory" in _protocols(self.fs)
+        self.buffer_limit: int | None = None if memory else buffer_limit
+        self.write_concurrency = 1 if memory else max(1, write_concurrency)
 
     def _path(self, key: str) -> str:
         _check_key(key)
         return f"{self.root}/{key}" if self.root else key
 
+    def _error(self, what: str, e: BaseException) -> BlobStoreError:
+        return BlobStoreError(f"{what} in {self.url} failed: {type(e).__name__}: {e}")
+
+    def _call(self, what: str, fn: Callable[[], T], key: str | None = None) -> T:
+        """``fn`` under the retry loop; a missing object or bucket becomes a clear error."""
+        try:
+            return retry(f"{what} in {self.url}", fn, attempts=self.attempts)
+        except FileNotFoundError as e:
+            if key is None:
+                raise
+            raise BlobNotFoundError(f"no object {key!r} in {self.url}") from e
+
     @contextmanager
-    def _writer(self, key: str) -> Iterator[IO[bytes]]:
-        path = self._path(key)
-        if self._buffered:
-            buf = io.BytesIO()
-            yield buf
-            _retry(f"writing {key!r} to {self.url}", lambda: self.fs.pipe_file(path, buf.getvalue()))
-            return
+    def _writer(self, key: str) -> Iterator[_ObjectWriter]:
+        w = _ObjectWriter(self, key, self._path(key), self.buffer_limit)
         try:
-            f = self.fs.open(path, "wb", autocommit=False)
-        except Exception as e:  # noqa: BLE001
-            raise BlobStoreError(f"opening {key!r} in {self.url} for writing failed: {e}") from e
-        try:
-            yield f
-            f.close()
-            _retry(f"completing {key!r} in {self.url}", f.commit)
+            yield w
+            w.finish()
+        except BlobNotFoundError as e:
+            w.discard()
+            raise BlobStoreError(
+                f"cannot write {key!r}: {self.url} does not exist (create the bucket first)"
+            ) from e
         except BaseException:
-            try:
-                f.discard()
-            except Exception:  # noqa: BLE001 - best effort clean-up of a failed upload
-                pass
+            w.discard()
             raise
+
+    def _put_exclusive(self, key: str, data: memoryview) -> None:
+        path, body = self._path(key), bytes(data)
+        try:
+            self._call(f"creating {key!r}", lambda: self.fs.pipe_file(path, body, mode="create"), key)
+        except FileExistsError as e:
+            raise BlobExistsError(f"object {key!r} already exists in {self.url}") from e
+        except BlobNotFoundError as e:
+            raise BlobStoreError(
+                f"cannot write {key!r}: {self.url} does not exist (create the bucket first)"
+            ) from e
 
     def _read(self, key: str, start: int, end: int | None) -> bytes:
         path = self._path(key)
-
-        def go() -> bytes:
-            try:
-                return bytes(self.fs.cat_file(path, start=start, end=end))
-            except FileNotFoundError as e:
-                raise BlobNotFoundError(f"no object {key!r} in {self.url}") from e
-
-        data = _retry(f"reading {key!r} from {self.url}", go)
+        whole = start == 0 and end is None  # a plain GET: a range of an empty object is unsatisfiable
+        what = f"reading {key!r}" if whole else f"reading bytes [{start}, {end}) of {key!r}"
+        first = None if whole else start
+        data = self._call(what, lambda: bytes(self.fs.cat_file(path, start=first, end=end)), key)
         if end is not None and len(data) != end - start:
             raise BlobStoreError(
                 f"object {key!r} in {self.url} is shorter than expected: wanted bytes "
@@ -390,12 +526,12 @@ class FsspecBlobStore(BlobStore):
                         except FileNotFoundError:
                             pass
 
-            _retry(f"deleting {len(batch)} objects from {self.url}", go)
+            self._call(f"deleting {len(batch)} objects", go)
 
     def _list(self, prefix: str) -> Iterator[BlobInfo]:
         base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
         try:
-            found = self.fs.find(base, detail=True, withdirs=False)
+            found = self._call(f"listing {prefix or '/'}", lambda: self.fs.find(base, detail=True, withdirs=False))
         except FileNotFoundError:
             return
         strip = len(self.root) + 1 if self.root else 0
@@ -413,7 +549,8 @@ class FsspecBlobStore(BlobStore):
             yield BlobInfo(path[strip:], int(info.get("size") or 0), ts)
 
     def _exists(self, key: str) -> bool:
-        return bool(_retry(f"checking {key!r} in {self.url}", lambda: self.fs.exists(self._path(key))))
+        path = self._path(key)
+        return bool(self._call(f"checking {key!r}", lambda: self.fs.exists(path)))
 
 
 def is_local_url(url: str) -> bool:
@@ -421,8 +558,15 @@ def is_local_url(url: str) -> bool:
 
 
 def open_blobstore(url: str, **storage_options: Any) -> BlobStore:
-    """The blob store for a local path or fsspec URL."""
+    """The blob store for a local path or fsspec URL.
+
+    A local path (or ``file://`` URL) is a :class:`LocalBlobStore`, which suits shared file
+    systems mounted on every node too; any other URL is a :class:`FsspecBlobStore` with
+    ``storage_options``.
+    """
     if is_local_url(url):
+        if storage_options:
+            raise StoreConfigError(f"storage options apply to object stores, not to the local folder {url}")
         path = url[len("file://") :] if url.startswith("file://") else url
         return LocalBlobStore(path)
     return FsspecBlobStore(url, **storage_options)

@@ -16,7 +16,15 @@ from typing import Any
 
 from .errors import StoreConfigError
 
-__all__ = ["StoreConfig", "CONFIG_KEY", "FORMAT_VERSION", "DEFAULT_CHUNK_SIZE", "DEFAULT_PACK_SIZE", "check_no_secret"]
+__all__ = [
+    "StoreConfig",
+    "CONFIG_KEY",
+    "FORMAT_VERSION",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_PACK_SIZE",
+    "check_no_secret",
+    "expand",
+]
 
 CONFIG_KEY = "ckstore.json"
 FORMAT_VERSION = 1
@@ -87,5 +95,15 @@ def check_no_secret(url: str) -> None:
         )
 
 
+_ANY_ENV_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
 def expand(url: str) -> str:
+    """``url`` with ``$VAR`` / ``${VAR}`` replaced from the environment; an unset one is an error."""
+    missing = [a or b for a, b in _ANY_ENV_REF.findall(url) if (a or b) not in os.environ]
+    if missing:
+        raise StoreConfigError(
+            f"the catalog URL refers to the environment variable {missing[0]}, which is not set; "
+            "set it (or pass another catalog URL with --catalog / catalog=)"
+        )
     return os.path.expandvars(url)

@@ -18,7 +18,9 @@ The catalog holds each chunk's offset and length, so reads never need the index;
 from __future__ import annotations
 
 import struct
+import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,6 +59,11 @@ class PackWriter:
     ``on_open() -> (key, pack_id)`` runs before a pack's object is written: the caller records
     the pack in the catalog first (or takes a key recorded for it in advance).
     ``on_close(pack_id, size, chunks)`` runs once the object is durable.
+
+    A blob store whose ``write_concurrency`` is above one (object stores, where each upload
+    waits on the network) gets that many finished packs uploading in the background while the
+    next one fills; ``on_close`` then runs on those threads. :meth:`close` returns once every
+    pack is written and recorded, and raises the first failure.
     """
 
     def __init__(
@@ -76,6 +83,10 @@ class PackWriter:
         self._chunks: list[PackedChunk] = []
         self._pos = 0
         self.packs_written = 0
+        self._inflight = max(1, int(getattr(blobs, "write_concurrency", 1)))
+        self._pool: ThreadPoolExecutor | None = None
+        self._uploads: list[Future[None]] = []
+        self._count_lock = threading.Lock()
 
     def add(self, digest: bytes, frame: Frame, raw_size: int) -> None:
         if self._w is None:
@@ -90,6 +101,8 @@ class PackWriter:
     def close(self) -> None:
         if self._w is not None:
             self._finish()
+        self._settle(len(self._uploads))
+        self._shutdown()
 
     def abort(self) -> None:
         if self._stack is not None:
@@ -98,6 +111,20 @@ class PackWriter:
                 raise RuntimeError("pack aborted")
             except RuntimeError as e:
                 stack.__exit__(type(e), e, e.__traceback__)
+        if self._uploads:  # let uploads in flight end; what they wrote is garbage for gc
+            wait(self._uploads)
+            self._uploads = []
+        self._shutdown()
+
+    def _settle(self, n: int) -> None:
+        """Wait for the ``n`` oldest background uploads; raise the first failure."""
+        for _ in range(n):
+            self._uploads.pop(0).result()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _open(self) -> None:
         key, self._pack_id = self._on_open()
@@ -109,15 +136,29 @@ class PackWriter:
 
     def _finish(self) -> None:
         assert self._stack is not None
+        if self._uploads:  # a failed upload fails the commit now; else wait for a free slot
+            for fut in self._uploads:
+                if fut.done() and fut.exception() is not None:
+                    fut.result()
+            self._settle(max(0, len(self._uploads) - self._inflight + 1))
         index = b"".join(_INDEX_ENTRY.pack(c.digest, c.offset, c.length, c.raw_size) for c in self._chunks)
         self._w.write(index)
         self._w.write(_FOOTER.pack(len(self._chunks), INDEX_MAGIC))
         size = self._pos + len(index) + _FOOTER.size
         stack, self._stack, self._w = self._stack, None, None
-        stack.close()  # the object becomes visible (and durable) here
-        self.packs_written += 1
         chunks, self._chunks = self._chunks, []
-        self._on_close(self._pack_id, size, chunks)
+        if self._inflight == 1:
+            self._complete(stack, self._pack_id, size, chunks)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckstore-pack")
+        self._uploads.append(self._pool.submit(self._complete, stack, self._pack_id, size, chunks))
+
+    def _complete(self, stack: ExitStack, pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
+        stack.close()  # the object becomes visible (and durable) here
+        with self._count_lock:
+            self.packs_written += 1
+        self._on_close(pack_id, size, chunks)
 
 
 def read_index(data: bytes) -> list[tuple[bytes, int, int, int]]:

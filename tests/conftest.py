@@ -10,6 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import ckstore  # noqa: E402
 
+pytest_plugins = ["services"]  # PostgreSQL and S3 servers (tests/services.py)
+
 
 @pytest.fixture
 def store_path(tmp_path: Path) -> Path:

@@ -23,13 +23,14 @@ import json
 import math
 import os
 import socket
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, func, select, update
+from sqlalchemy import Connection, Engine, delete, exists, func, select, update
 from sqlalchemy import exc as sa_exc
 
 from ..errors import (
@@ -91,6 +92,17 @@ def _batches(items: Sequence[Any], n: int = _BATCH) -> Iterator[Sequence[Any]]:
         yield items[i : i + n]
 
 
+# nonces of the commits this process has in flight: a pending row of this very process whose
+# nonce is not here belongs to a commit that failed without cleaning up (the catalog was down)
+_LIVE_NONCES: set[str] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _live(nonce: str, alive: bool) -> None:
+    with _LIVE_LOCK:
+        (_LIVE_NONCES.add if alive else _LIVE_NONCES.discard)(nonce)
+
+
 def _proc_start(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -128,6 +140,9 @@ class Owner:
         """True/False when the owner ran on this host; None when it ran elsewhere."""
         if self.host != socket.gethostname():
             return None
+        if self.pid == os.getpid() and self.start == _proc_start(self.pid):
+            with _LIVE_LOCK:
+                return self.nonce in _LIVE_NONCES
         if not os.path.exists(f"/proc/{self.pid}"):
             try:
                 os.kill(self.pid, 0)
@@ -184,8 +199,9 @@ class Catalog:
                 yield conn
         except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
             raise CatalogError(
-                f"catalog {redact(self.url)} failed mid-transaction (nothing of it was applied): "
-                f"{e.orig if e.orig is not None else e}"
+                f"catalog {redact(self.url)} failed during a write ({_reason(e)}); the transaction "
+                "was rolled back, unless the connection dropped while it was committing. Retry once "
+                "the catalog is reachable (a commit that did get through reports its step as taken)"
             ) from e
 
     @contextmanager
@@ -197,7 +213,9 @@ class Catalog:
                 with conn.begin():
                     yield conn
         except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
-            raise CatalogError(f"reading catalog {redact(self.url)} failed: {e.orig if e.orig is not None else e}") from e
+            raise CatalogError(
+                f"reading catalog {redact(self.url)} failed ({_reason(e)}); retry once it is reachable"
+            ) from e
 
     def _insert(self, table: Any) -> Any:
         if self.dialect == "postgresql":
@@ -315,9 +333,11 @@ class Catalog:
     ) -> int:
         """Insert a pending checkpoint row for ``(run, step)`` and return its id.
 
-        A pending row whose owner is gone (dead process on this host, or an expired lease
-        elsewhere) is taken over; a live one raises :class:`CommitInProgressError`.
+        A pending row whose owner is gone (a dead process on this host, a commit of this process
+        that failed without cleaning up, or a lease not renewed in time) is taken over; a live
+        one raises :class:`CommitInProgressError`.
         """
+        _live(owner.nonce, True)  # until finish_checkpoint or abort_checkpoint
         for attempt in range(3):
             try:
                 with self._write() as conn:
@@ -336,9 +356,9 @@ class Catalog:
                             )
                         if r.status == PENDING:
                             prev = Owner.parse(r.owner)
-                            here = prev.alive_here()
                             age = (now - _aware(r.heartbeat_at)).total_seconds()  # type: ignore[operator]
-                            if here or (here is None and age < lease_seconds):
+                            # a dead process, or a lease not renewed in time, gives the step up
+                            if prev.alive_here() is not False and age < lease_seconds:
                                 raise CommitInProgressError(
                                     f"step {step} of run {run!r} is being committed right now by "
                                     f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
@@ -433,37 +453,41 @@ class Catalog:
         """:meth:`add_chunks` for many written packs ``(pack_id, pack_size, chunks)`` in one
         transaction (a collective commit records every rank's packs at once)."""
         added = 0
+        # digest order across every pack: two commits inserting overlapping chunks lock them in
+        # the same order, so on PostgreSQL one waits for the other instead of deadlocking
+        ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
+        ours = {pack_id for pack_id, _, _ in packs}
         with self._write(lock="shared") as conn:
             self._own_pending(conn, ckpt_id, owner)
-            for pack_id, pack_size, chunks in packs:
+            for pack_id, pack_size, _ in packs:
                 conn.execute(update(P).where(P.c.id == pack_id).values(size=pack_size))
-                for batch in _batches(list(chunks)):
-                    conn.execute(
-                        self._insert(K)
-                        .values(
-                            [
-                                {
-                                    "digest": c.digest,
-                                    "pack_id": pack_id,
-                                    "offset": c.offset,
-                                    "length": c.length,
-                                    "raw_size": c.raw_size,
-                                    "codec": c.codec,
-                                }
-                                for c in batch
-                            ]
-                        )
-                        .on_conflict_do_nothing(index_elements=["digest"])
+            for batch in _batches(ordered):
+                conn.execute(
+                    self._insert(K)
+                    .values(
+                        [
+                            {
+                                "digest": c.digest,
+                                "pack_id": pack_id,
+                                "offset": c.offset,
+                                "length": c.length,
+                                "raw_size": c.raw_size,
+                                "codec": c.codec,
+                            }
+                            for pack_id, c in batch
+                        ]
                     )
-                    rows = conn.execute(
-                        select(K.c.id, K.c.pack_id, K.c.length).where(K.c.digest.in_([c.digest for c in batch]))
-                    ).all()
-                    conn.execute(
-                        self._insert(R)
-                        .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
-                        .on_conflict_do_nothing()
-                    )
-                    added += sum(int(r.length) for r in rows if r.pack_id == pack_id)
+                    .on_conflict_do_nothing(index_elements=["digest"])
+                )
+                rows = conn.execute(
+                    select(K.c.id, K.c.pack_id, K.c.length).where(K.c.digest.in_([c.digest for _, c in batch]))
+                ).all()
+                conn.execute(
+                    self._insert(R)
+                    .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
+                    .on_conflict_do_nothing()
+                )
+                added += sum(int(r.length) for r in rows if r.pack_id in ours)
         return added
 
     def finish_checkpoint(
@@ -479,6 +503,22 @@ class Catalog:
         replace: bool,
     ) -> Checkpoint:
         """Make the pending checkpoint visible, in one transaction."""
+        try:
+            return self._finish(ckpt_id, owner, entries, metrics, tags, logical_bytes, stored_bytes_added, replace)
+        finally:
+            _live(owner.nonce, False)
+
+    def _finish(
+        self,
+        ckpt_id: int,
+        owner: Owner,
+        entries: Sequence[tuple[int, str, bytes, int]],
+        metrics: dict[str, float],
+        tags: Sequence[str],
+        logical_bytes: int,
+        stored_bytes_added: int,
+        replace: bool,
+    ) -> Checkpoint:
         with self._write(lock="shared") as conn:
             row = self._own_pending(conn, ckpt_id, owner)
             old = conn.execute(
@@ -524,14 +564,20 @@ class Catalog:
 
     def abort_checkpoint(self, ckpt_id: int, owner: Owner) -> None:
         """Drop a pending checkpoint of ours; what it wrote becomes garbage for gc."""
+        _live(owner.nonce, False)
         with self._write() as conn:
             conn.execute(delete(C).where(C.c.id == ckpt_id, C.c.status == PENDING, C.c.owner == str(owner)))
 
     # -- tags -------------------------------------------------------------------------------
     def _set_tag(self, conn: Connection, run_id: int, name: str, ckpt_id: int) -> None:
         check_name("tag", name)
-        conn.execute(delete(T).where(T.c.run_id == run_id, T.c.name == name))
-        conn.execute(T.insert().values(run_id=run_id, name=name, checkpoint_id=ckpt_id))
+        # one statement: two commits setting the same tag at once both succeed, the later wins
+        stmt = self._insert(T).values(run_id=run_id, name=name, checkpoint_id=ckpt_id)
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["run_id", "name"], set_={"checkpoint_id": stmt.excluded.checkpoint_id}
+            )
+        )
 
     def tag(self, ckpt: Checkpoint, name: str, *, move: bool = False) -> None:
         check_name("tag", name)
@@ -700,6 +746,11 @@ class Catalog:
                     out[bytes(r.digest)] = ChunkLocation(r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec))
         return out
 
+    def is_empty(self) -> bool:
+        """True when the catalog records no run and no pack yet."""
+        with self._read() as conn:
+            return not conn.execute(select(exists(select(RUNS.c.id)) | exists(select(P.c.id)))).scalar()
+
     def stored_bytes(self) -> int:
         with self._read() as conn:
             return int(conn.execute(select(func.coalesce(func.sum(K.c.length), 0))).scalar_one())
@@ -718,6 +769,10 @@ class Catalog:
         """Remove a committed checkpoint's rows (its chunk references go with it)."""
         with self._write(lock="shared") as conn:
             conn.execute(delete(C).where(C.c.id == ckpt_id))
+
+
+def _reason(e: sa_exc.DBAPIError) -> str:
+    return " ".join(str(e.orig if e.orig is not None else e).split())
 
 
 # Re-exported for modules that run set-based statements (gc, fsck, du).

@@ -3,19 +3,28 @@ schema check that runs Alembic from code."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from ..errors import CatalogError, SchemaVersionError
 from ._schema import Base
 
-__all__ = ["make_engine", "check_schema", "upgrade_schema", "migrations_dir", "head_revision", "redact"]
+__all__ = [
+    "make_engine",
+    "write_txn",
+    "check_schema",
+    "upgrade_schema",
+    "migrations_dir",
+    "head_revision",
+    "redact",
+    "PG_CONNECT_DEFAULTS",
+]
 
 _WRITE = "ckstore_write"
 # advisory lock key shared by commits (shared mode) and gc sweeps (exclusive mode)
@@ -32,8 +41,20 @@ def redact(url: str) -> str:
         return url
 
 
+# libpq settings a PostgreSQL catalog starts from (a URL's own ``?connect_timeout=`` wins): give
+# up connecting after 10 s, and notice a server that vanished mid-query within about a minute
+PG_CONNECT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "application_name": "ckstore",
+}
+
+
 def make_engine(url: str) -> Engine:
-    url = os.path.expandvars(url)
+    """An engine for an (already expanded) catalog URL."""
     try:
         if url.startswith("sqlite"):
             engine = create_engine(
@@ -58,6 +79,11 @@ def make_engine(url: str) -> Engine:
                 # deadlock upgrading read locks; readers run beside them under WAL.
                 conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get(_WRITE) else "BEGIN")
 
+        elif url.startswith("postgresql"):
+            given = make_url(url).query
+            connect_args = {k: v for k, v in PG_CONNECT_DEFAULTS.items() if k not in given}
+            # pre-ping: a pooled connection that died (the server restarted) is replaced before use
+            engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8, connect_args=connect_args)
         else:
             engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)
     except Exception as e:  # noqa: BLE001 - bad URL, missing driver
@@ -98,7 +124,8 @@ def _alembic_config(engine: Engine) -> Any:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
-    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # ConfigParser interpolates "%": a URL's own escapes (%3D, a password's %40) must be doubled
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
     return cfg
 
 

@@ -1,0 +1,119 @@
+"""The blob store conformance suite on every backend, and what only object stores do."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conformance.blobstore import BlobStoreConformance
+from services import S3Server
+
+from ckstore.blobstore import S3_CONFIG_DEFAULTS, BlobStore, FsspecBlobStore, LocalBlobStore, open_blobstore
+from ckstore.errors import BlobStoreError, StoreConfigError
+
+
+class TestLocal(BlobStoreConformance):
+    @pytest.fixture
+    def blobs(self, tmp_path: Path) -> BlobStore:
+        return LocalBlobStore(tmp_path / "blobs")
+
+    def test_failed_write_leaves_no_temp_file(self, blobs: LocalBlobStore) -> None:
+        with pytest.raises(RuntimeError):
+            with blobs.writer("x") as w:
+                w.write(b"1")
+                raise RuntimeError
+        assert blobs.stale_temp_files(time.time() + 60) == []
+
+
+class TestMemory(BlobStoreConformance):
+    @pytest.fixture
+    def blobs(self) -> Iterator[BlobStore]:
+        store = FsspecBlobStore(f"memory://ckstore-test-{uuid.uuid4().hex}")
+        yield store
+        store.delete(i.key for i in store.list())
+
+
+@pytest.mark.s3
+class TestS3(BlobStoreConformance):
+    """Small objects go up in one PUT each."""
+
+    @pytest.fixture
+    def blobs(self, s3_server: S3Server, s3_bucket: str) -> BlobStore:
+        return FsspecBlobStore(f"s3://{s3_bucket}/store", **s3_server.storage_options())
+
+
+@pytest.mark.s3
+class TestS3Multipart:
+    """Past a small buffer limit, objects stream as multipart uploads of 5 MiB parts."""
+
+    large_size = 11 * 1024 * 1024 + 5
+    test_large_object = BlobStoreConformance.test_large_object
+    test_failed_large_writer_leaves_nothing = BlobStoreConformance.test_failed_large_writer_leaves_nothing
+    test_writer_streams_parts = BlobStoreConformance.test_writer_streams_parts
+
+    @pytest.fixture
+    def blobs(self, s3_server: S3Server, s3_bucket: str) -> BlobStore:
+        return FsspecBlobStore(
+            f"s3://{s3_bucket}/store",
+            buffer_limit=1024 * 1024,
+            default_block_size=5 * 1024 * 1024,
+            **s3_server.storage_options(),
+        )
+
+
+@pytest.mark.s3
+def test_s3_requests_have_bounded_timeouts_and_one_retry_loop(s3_server: S3Server, s3_bucket: str) -> None:
+    blobs = FsspecBlobStore(f"s3://{s3_bucket}", **s3_server.storage_options(read_timeout=7))
+    config = blobs.fs.config_kwargs
+    assert config["read_timeout"] == 7  # the caller's setting wins
+    assert config["connect_timeout"] == S3_CONFIG_DEFAULTS["connect_timeout"]
+    assert config["retries"] == {"total_max_attempts": 1}
+    assert blobs.fs.retries == 1
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket_is_a_clear_error(s3_server: S3Server) -> None:
+    blobs = FsspecBlobStore("s3://no-such-bucket-ckstore/x", **s3_server.storage_options())
+    with pytest.raises(BlobStoreError, match="create the bucket first"):
+        blobs.put("k", b"1")
+    with pytest.raises(BlobStoreError, match="create the bucket first"):
+        blobs.put("k", b"1", exclusive=True)
+
+
+@pytest.mark.s3
+def test_s3_unreachable_endpoint_fails_fast(s3_server: S3Server) -> None:
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    blobs = FsspecBlobStore("s3://bucket/x", attempts=3, **{**s3_server.storage_options(), "endpoint_url": dead})
+    t0 = time.monotonic()
+    with pytest.raises(BlobStoreError, match=r"failed 3 times.*reachable") as info:
+        blobs.read("k")
+    assert time.monotonic() - t0 < 10
+    assert "s3://bucket/x" in str(info.value) and "'k'" in str(info.value)
+
+
+@pytest.mark.s3
+def test_s3_credentials_stay_out_of_errors(s3_server: S3Server) -> None:
+    opts = {**s3_server.storage_options(), "endpoint_url": f"http://127.0.0.1:{_closed_port()}"}
+    blobs = FsspecBlobStore("s3://bucket/x", attempts=1, **opts)
+    with pytest.raises(BlobStoreError) as info:
+        blobs.put("k", b"1")
+    assert opts["secret"] not in str(info.value) and opts["secret"] not in repr(blobs)
+
+
+def test_local_path_takes_no_storage_options(tmp_path: Path) -> None:
+    with pytest.raises(StoreConfigError, match="storage options"):
+        open_blobstore(str(tmp_path), endpoint_url="http://x")
+
+
+def test_unknown_protocol_is_a_config_error() -> None:
+    with pytest.raises(StoreConfigError, match="cannot open nosuchproto://"):
+        open_blobstore("nosuchproto://bucket/x")
+
+
+def _closed_port() -> int:
+    from services import free_port
+
+    return free_port()  # bound and released: nothing listens there

@@ -1,0 +1,212 @@
+"""PostgreSQL catalogs: migrations, lock order, secrets, and a server that goes away mid-commit."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from conformance import assert_consistent, sample_states
+from conformance.catalog import CHUNK, PACK
+from helpers import assert_same
+from services import PrivatePostgres
+from sqlalchemy import event, insert, text
+
+import ckstore
+from ckstore.catalog import TABLES, Catalog, NewChunk, Owner
+from ckstore.catalog._engine import head_revision
+from ckstore.catalog._schema import Base
+from ckstore.cli import main
+from ckstore.layout import WorldLayout
+
+pytestmark = pytest.mark.postgres
+
+
+def _open(location: Path | str, catalog: str, **kw: Any) -> ckstore.Store:
+    return ckstore.open(location, catalog=catalog, run="exp", chunk_size=CHUNK, pack_size=PACK, **kw)
+
+
+# -- migrations ---------------------------------------------------------------------------------
+def test_migrations_build_exactly_the_models(tmp_path: Path, pg_catalog_url: str) -> None:
+    """`ckstore db upgrade` runs every migration script on an empty PostgreSQL catalog, and
+    what they build is exactly what the models describe."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    ckstore.init(tmp_path / "store").close()  # any store, to point the command at
+    runner = CliRunner()
+    args = ["--store", str(tmp_path / "store"), "--catalog", pg_catalog_url, "db"]
+    out = runner.invoke(main, [*args, "upgrade"])
+    assert out.exit_code == 0, out.output
+    bare = Catalog(pg_catalog_url, check=False)
+    head = head_revision(bare.engine)
+    assert f"upgraded from revision (none) to {head}" in out.output
+    with bare.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    bare.close()
+    out = runner.invoke(main, [*args, "current"])
+    assert f"catalog revision {head}" in out.output
+    out = runner.invoke(main, [*args, "upgrade"])
+    assert f"already at schema revision {head}" in out.output
+    with _open(tmp_path / "other", pg_catalog_url) as store:  # a catalog built so serves a store
+        store.commit(1, sample_states(1))
+        assert_same(store.checkout(1), sample_states(1))
+
+
+# -- lock order ---------------------------------------------------------------------------------
+def test_overlapping_chunk_inserts_wait_instead_of_deadlocking(tmp_path: Path, pg_catalog_url: str) -> None:
+    """Two transactions insert the same two chunks in opposite orders; ckstore inserts in digest
+    order, so it waits for the other transaction instead of deadlocking with it."""
+    store = _open(tmp_path / "store", pg_catalog_url)
+    cat = store.catalog
+    owner = Owner.me()
+    ckpt = cat.begin_checkpoint(
+        "exp", 1, kind="checkpoint", replace=False, owner=owner, world_layout=WorldLayout.flat(1), lease_seconds=60
+    )
+    pack = cat.register_pack(ckpt, owner, "packs/00/mine")
+    other_pack = cat.register_pack(ckpt, owner, "packs/00/theirs")
+    low, high = b"\x01" * 16, b"\xfe" * 16
+    chunks = TABLES["chunks"]
+
+    def row(d: bytes) -> dict[str, Any]:
+        return {"digest": d, "pack_id": other_pack, "offset": 8, "length": 10, "raw_size": 10, "codec": 0}
+
+    errors: list[BaseException] = []
+    with cat.engine.connect() as conn:  # the other writer, holding `low` and about to insert `high`
+        tx = conn.begin()
+        conn.execute(insert(chunks).values(row(low)))
+
+        def ours() -> None:
+            try:
+                cat.add_chunks(ckpt, owner, pack, 100, [NewChunk(high, 8, 10, 10, 0), NewChunk(low, 18, 10, 10, 0)])
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        t = threading.Thread(target=ours)
+        t.start()
+        time.sleep(0.5)  # ours now waits on `low`, and (sorted) holds nothing the other needs
+        conn.execute(insert(chunks).values(row(high)))
+        tx.commit()
+        t.join(30)
+    assert not t.is_alive() and errors == []
+    assert set(cat.chunk_locations([low, high])) == {low, high}
+    store.close()
+
+
+# -- secrets ------------------------------------------------------------------------------------
+def test_catalog_password_is_an_environment_reference(
+    tmp_path: Path, pg_catalog_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = pg_catalog_url.replace("postgres@", "postgres:${CKSTORE_TEST_PGPASSWORD}@")
+    with pytest.raises(ckstore.StoreConfigError, match="CKSTORE_TEST_PGPASSWORD, which is not set"):
+        _open(tmp_path / "store", url)
+    monkeypatch.setenv("CKSTORE_TEST_PGPASSWORD", "s3cr3t-value")
+    with _open(tmp_path / "store", url) as store:
+        store.commit(1, sample_states(1, ranks=1))
+    recorded = json.loads((tmp_path / "store" / "ckstore.json").read_text())
+    assert recorded["catalog"] == url
+    assert "s3cr3t-value" not in (tmp_path / "store" / "ckstore.json").read_text()
+    with ckstore.open(tmp_path / "store") as again:  # the recorded URL is enough
+        assert again.resolve("exp@latest").step == 1
+        assert "s3cr3t-value" not in repr(again.catalog)
+    literal = pg_catalog_url.replace("postgres@", "postgres:hunter2@")
+    with pytest.raises(ckstore.StoreConfigError, match="literal password"):
+        ckstore.init(tmp_path / "other", catalog=literal)
+    assert not (tmp_path / "other" / "ckstore.json").exists()
+
+
+def test_a_catalog_belongs_to_one_store(tmp_path: Path, pg_catalog_url: str) -> None:
+    with _open(tmp_path / "a", pg_catalog_url) as a:
+        a.commit(1, sample_states(1, ranks=1))
+    with pytest.raises(ckstore.StoreConfigError, match="another store"):
+        ckstore.init(tmp_path / "b", catalog=pg_catalog_url)
+    assert not (tmp_path / "b" / "ckstore.json").exists()
+
+
+# -- a server that goes away --------------------------------------------------------------------
+def test_unreachable_catalog_fails_fast(tmp_path: Path, private_postgres: PrivatePostgres) -> None:
+    private_postgres.stop()
+    t0 = time.monotonic()
+    with pytest.raises(ckstore.CatalogError, match=f"cannot open catalog .*:{private_postgres.port}/"):
+        _open(tmp_path / "store", private_postgres.url)
+    assert time.monotonic() - t0 < 15
+
+
+def test_server_stopped_during_a_commit(tmp_path: Path, private_postgres: PrivatePostgres) -> None:
+    pg = private_postgres
+    store = _open(tmp_path / "store", pg.url)
+    store.commit(1, sample_states(1))
+
+    def stop_once(_done: int, _total: int) -> None:
+        if not stopped:
+            stopped.append(True)
+            pg.stop()
+
+    stopped: list[bool] = []
+    t0 = time.monotonic()
+    with pytest.raises(ckstore.CatalogError, match="Retry once the catalog is reachable"):
+        store.commit(2, sample_states(2), progress=stop_once)
+    assert stopped and time.monotonic() - t0 < 30
+    with pytest.raises(ckstore.CatalogError, match="retry once it is reachable"):
+        store.checkpoints()
+    pg.start()
+    assert [c.step for c in store.checkpoints()] == [1]  # nothing of step 2 is visible
+    assert [step for _, _, step, _, _ in store.catalog.pending()] == [2]  # its claim, left while down
+    store.commit(2, sample_states(2))  # the retry takes the failed commit's claim over
+    assert_same(store.checkout(1), sample_states(1))
+    assert_same(store.checkout(2), sample_states(2))
+    assert_consistent(store)
+    store.close()
+
+
+def test_server_restarted_inside_the_finishing_transaction(tmp_path: Path, private_postgres: PrivatePostgres) -> None:
+    pg = private_postgres
+    store = _open(tmp_path / "store", pg.url)
+    store.commit(1, sample_states(1))
+    fired: list[bool] = []
+
+    def restart_before_publishing(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        # entries, metrics and tags are written; the server goes down before the status flips
+        if not fired and statement.lstrip().upper().startswith("UPDATE CHECKPOINTS SET STATUS"):
+            fired.append(True)
+            pg.stop()
+
+    event.listen(store.catalog.engine, "before_cursor_execute", restart_before_publishing)
+    with pytest.raises(ckstore.CatalogError):
+        store.commit(2, sample_states(2), {"loss": 0.1}, tags=["two"])
+    event.remove(store.catalog.engine, "before_cursor_execute", restart_before_publishing)
+    assert fired
+    pg.start()
+    assert [c.step for c in store.checkpoints()] == [1]
+    with pytest.raises(ckstore.CheckpointNotFoundError):
+        store.resolve("two")
+    with store.catalog.engine.connect() as conn:  # the rolled-back transaction left no entries
+        n = conn.execute(text("SELECT count(*) FROM entries e JOIN checkpoints c ON c.id = e.checkpoint_id WHERE c.step = 2")).scalar()
+    assert n == 0
+    store.commit(2, sample_states(2), {"loss": 0.1}, tags=["two"])
+    assert store.resolve("two").metrics == {"loss": 0.1}
+    assert_same(store.checkout("two"), sample_states(2))
+    assert_consistent(store)
+    store.close()
+
+
+def test_server_restarted_between_requests_is_transparent(tmp_path: Path, private_postgres: PrivatePostgres) -> None:
+    pg = private_postgres
+    store = _open(tmp_path / "store", pg.url)
+    store.commit(1, sample_states(1))
+    restarted: list[bool] = []
+
+    def restart_once(_done: int, _total: int) -> None:
+        if not restarted:
+            restarted.append(True)
+            pg.restart()
+
+    store.commit(2, sample_states(2), progress=restart_once)  # pooled connections are re-made
+    assert restarted
+    assert_same(store.checkout(2), sample_states(2))
+    assert_consistent(store)
+    store.close()
