@@ -13,7 +13,7 @@ from typing import Any
 
 from . import codec, hashing
 from .catalog import Catalog, Owner
-from .errors import UnsupportedValueError
+from .errors import CommitAbandonedError, UnsupportedValueError
 from .layout import WorldLayout
 from .manifest import Manifest, ShardSpec, TensorRecord
 from .pack import PackedChunk, PackWriter
@@ -262,6 +262,15 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+    def check(self) -> None:
+        """Raise :class:`CommitAbandonedError` once the pending checkpoint's claim is lost."""
+        if self.lost:
+            raise CommitAbandonedError(
+                "this commit's claim was taken over while it was in flight (garbage collection or "
+                "another commit judged it abandoned); nothing of it became visible. Commit again; "
+                "if it happens again, raise gc's --grace or the store's lease"
+            )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -177,7 +177,7 @@ class Store:
             lease_seconds=cfg.lease_seconds, parent_checkpoint_id=parent_id,
         )  # fmt: skip
         try:
-            with _commit.Heartbeat(self.catalog, ckpt_id, owner, cfg.lease_seconds / 4), ThreadPoolExecutor(
+            with _commit.Heartbeat(self.catalog, ckpt_id, owner, cfg.lease_seconds / 4) as hb, ThreadPoolExecutor(
                 self.workers, thread_name_prefix="ckstore-commit"
             ) as pool:
                 staged = _commit.stage_and_hash(entries, specs, cfg.chunk_size, pool)
@@ -194,6 +194,7 @@ class Store:
                 done = [0]
 
                 def tick(n: int) -> None:
+                    hb.check()  # stop writing as soon as the claim is lost
                     done[0] += n
                     if progress is not None:
                         progress(done[0], total)

@@ -263,3 +263,29 @@ def test_secrets_are_not_recorded(tmp_path: Path) -> None:
     with pytest.raises(StoreConfigError, match="literal password"):
         ckstore.open(tmp_path / "s", catalog="postgresql+psycopg://user:hunter2@db/ck")
     assert not (tmp_path / "s" / "ckstore.json").exists()
+
+
+def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path) -> None:
+    """gc reaping a pending checkpoint (here by hand) makes the commit fail fast, invisibly."""
+    import time
+
+    from sqlalchemy import delete
+
+    from ckstore.catalog import TABLES
+
+    s = ckstore.open(tmp_path / "s", run="r", chunk_size=64 * 1024, lease_seconds=0.4)
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        calls.append(done)
+        if len(calls) == 1:
+            C = TABLES["checkpoints"]
+            with s.catalog.engine.begin() as conn:
+                conn.execute(delete(C).where(C.c.status == "pending"))
+            time.sleep(0.5)  # the heartbeat (every 0.1 s) notices the claim is gone
+
+    state = {f"w{i}": torch.randn(64 * 1024) for i in range(8)}
+    with pytest.raises(ckstore.CommitAbandonedError, match="taken over"):
+        s.commit(1, {0: {"m": state}}, progress=progress)
+    assert len(calls) < 8  # it stopped writing instead of finishing
+    assert s.checkpoints() == [] and s.catalog.pending() == []

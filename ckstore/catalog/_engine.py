@@ -3,6 +3,8 @@ schema check that runs Alembic from code."""
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import QueuePool
 
 from ..errors import CatalogError, SchemaVersionError
 from ._schema import Base
@@ -60,7 +62,7 @@ def make_engine(url: str) -> Engine:
             engine = create_engine(
                 url,
                 connect_args={"timeout": 120, "check_same_thread": False},
-                poolclass=NullPool,
+                poolclass=QueuePool, pool_size=2, max_overflow=8,
             )
 
             @event.listens_for(engine, "connect")
@@ -88,7 +90,21 @@ def make_engine(url: str) -> Engine:
             engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)
     except Exception as e:  # noqa: BLE001 - bad URL, missing driver
         raise CatalogError(f"cannot open catalog {redact(url)}: {e}") from e
+    _forget_in_forked_children(engine)
     return engine
+
+
+def _forget_in_forked_children(engine: Engine) -> None:
+    """A forked child (a DataLoader worker, say) must not reuse its parent's pooled connections:
+    drop the pool there, without closing the parent's connections."""
+    ref = weakref.ref(engine)
+
+    def after_fork() -> None:
+        e = ref()
+        if e is not None:
+            e.dispose(close=False)
+
+    os.register_at_fork(after_in_child=after_fork)
 
 
 @contextmanager
