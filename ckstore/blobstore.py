@@ -208,6 +208,8 @@ class LocalBlobStore(BlobStore):
     """Objects as files under a local folder; writes go through a temp file, fsync and rename."""
 
     is_local = True
+    #: a finished pack's fsync and rename overlap with filling the next one
+    write_concurrency = 2
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.root = os.path.abspath(os.fspath(root))
