@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import Connection, DateTime, Table, and_, delete, exists, func, literal, or_, select
 from sqlalchemy import exc as sa_exc
@@ -62,7 +62,7 @@ Progress = Callable[[str, int, int], None]
 
 
 def _table(name: str) -> Table:
-    return cast(Table, TABLES[name])
+    return TABLES[name]
 
 
 C, P, K, R, E = (_table(n) for n in ("checkpoints", "packs", "chunks", "chunk_refs", "entries"))

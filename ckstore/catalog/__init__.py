@@ -439,7 +439,7 @@ class Catalog:
             now = utcnow()
             for key in keys:
                 res = conn.execute(P.insert().values(key=key, size=0, created_at=now, owner_checkpoint_id=ckpt_id))
-                ids.append(int(res.inserted_primary_key[0]))
+                ids.append(int(res.inserted_primary_key[0]))  # type: ignore[index]
         return ids
 
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:

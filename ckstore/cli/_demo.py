@@ -100,12 +100,12 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     console.rule(f"[bold]6. retention: keep the last 2, the best by val_loss and every epoch checkpoint of {run_name}[/]")
     policy = LatestN(2) | BestN(1, "val_loss") | ByKind("epoch", KeepAll())
     store.set_policy(run_name, policy)
-    before = store.du()
+    usage_before = store.du()
     report = store.gc()
     render_gc(report)
-    after = store.du()
+    usage_after = store.du()
     console.print(
-        f"packs on disk {before.pack_bytes / 2**20:.1f} MiB -> {after.pack_bytes / 2**20:.1f} MiB; "
+        f"packs on disk {usage_before.pack_bytes / 2**20:.1f} MiB -> {usage_after.pack_bytes / 2**20:.1f} MiB; "
         f"kept {', '.join(str(c.step) for c in store.checkpoints(run_name))}"
     )
     best_after = store.resolve("min:val_loss")

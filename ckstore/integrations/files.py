@@ -64,13 +64,14 @@ def read_checkpoint(path: str, fmt: str = "auto", *, allow_pickle: bool = False)
         return load_file(path)
     if fmt == "dcp":
         # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file
-        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         sd: dict[str, Any] = {}
         with _single_process():
-            _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+            planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
+            _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
         return sd
     raise StoreConfigError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(FORMATS)} or auto")
 
@@ -133,12 +134,12 @@ def write_checkpoint(state: Any, path: str, fmt: str) -> None:
 
         save_file(_flat_tensors(state), path)
     elif fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         if not isinstance(state, dict):
             raise UnsupportedValueError("a Distributed Checkpoint needs a dict at the top level")
         with _single_process():
-            dcp.save(state, checkpoint_id=path, no_dist=True)
+            dcp_save(state, checkpoint_id=path, no_dist=True)
     else:
         raise StoreConfigError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(FORMATS)}")
 
