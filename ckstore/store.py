@@ -13,7 +13,7 @@ from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, open_blobs
 from .catalog import Catalog, Owner
 from .catalog._engine import redact
 from .config import CONFIG_KEY, StoreConfig, check_no_secret, expand
-from .errors import AlreadyExistsError, CheckpointNotFoundError, StoreConfigError
+from .errors import AlreadyExistsError, CheckpointNotFoundError, ChunkNotFoundError, StoreConfigError
 from .layout import WorldLayout
 from .manifest import Manifest
 from .pack import PackWriter
@@ -302,10 +302,19 @@ class Store:
                 progress(done[0], total)
 
         accel = dev if dev is not None and dev.type != "cpu" else None
-        tensors = execute_plan(
-            plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers, progress=tick,
-            pin_memory=accel is not None and accel.type == "cuda",
-        )  # fmt: skip
+        try:
+            tensors = execute_plan(
+                plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers, progress=tick,
+                pin_memory=accel is not None and accel.type == "cuda",
+            )  # fmt: skip
+        except ChunkNotFoundError as e:
+            try:
+                self.catalog.get(ckpt.id)
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"{where} was deleted (by gc or rm) while it was being checked out"
+                ) from e
+            raise
         if accel is not None:
             tensors = to_device(tensors, accel)
         out: dict[int, dict[str, Any]] = {}

@@ -289,3 +289,22 @@ def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path) -> None:
         s.commit(1, {0: {"m": state}}, progress=progress)
     assert len(calls) < 8  # it stopped writing instead of finishing
     assert s.checkpoints() == [] and s.catalog.pending() == []
+
+
+def test_checkout_of_a_checkpoint_deleted_meanwhile_says_so(store_path: Path) -> None:
+    from ckstore.retention import LatestN
+
+    s = ckstore.open(store_path, run="r", chunk_size=64 * 1024, pack_size=256 * 1024, workers=1)
+    s.commit(1, {0: {"m": {"w": torch.randn(400_000)}}})
+    s.commit(2, {0: {"m": {"w": torch.randn(10)}}})
+    ckpt = s.resolve(1)
+    with pytest.raises(CheckpointNotFoundError, match="deleted .* while it was being checked out") as e:
+        gone = []
+
+        def progress(done: int, total: int) -> None:
+            if not gone:  # after the first read, gc drops step 1 and deletes its packs
+                gone.append(s.gc(LatestN(1), grace=0))
+
+        s.load(ckpt, progress=progress)
+    assert gone and gone[0].dropped == ["r@1"]
+    assert isinstance(e.value.__cause__, ChunkNotFoundError)  # found out while reading chunks
