@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
@@ -67,6 +68,27 @@ def handle_errors(fn: F) -> F:
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def byte_progress(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A ``progress(done_bytes, total_bytes)`` callback drawing a rich bar on stderr (nothing
+    when stderr is not a terminal)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    if not err_console.is_terminal:
+        yield lambda done, total: None
+        return
+    with Progress(
+        TextColumn(description), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        console=err_console, transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total or None)
+
+        yield update
 
 
 def human_bytes(n: int | float | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import Ctx, console, handle_errors, human_bytes, pass_ctx
+from ._common import Ctx, byte_progress, console, handle_errors, human_bytes, pass_ctx
 
 
 @click.command("import")
@@ -36,10 +36,11 @@ def import_(
         except ValueError as e:
             raise click.BadParameter(f"{value!r} is not a number", param_hint="--metric") from e
     store = obj.open(create=True)
-    ck = import_checkpoint(
-        store, path, step, fmt=fmt, run=run_name, sub_key=None if split else sub_key, metrics=values,
-        tags=tags, allow_pickle=allow_pickle,
-    )  # fmt: skip
+    with byte_progress("committing") as progress:
+        ck = import_checkpoint(
+            store, path, step, fmt=fmt, run=run_name, sub_key=None if split else sub_key, metrics=values,
+            tags=tags, allow_pickle=allow_pickle, progress=progress,
+        )  # fmt: skip
     console.print(
         f"imported {path} as {ck.ref}: {human_bytes(ck.logical_bytes)} logical, {human_bytes(ck.stored_bytes_added)} new"
     )
@@ -58,7 +59,10 @@ def export(obj: Ctx, ref: str, path: str, fmt: str, rank: int, sub_key: str | No
     """Write checkpoint REF as a torch.save file, a .safetensors file or a DCP folder."""
     from ..integrations.files import export_checkpoint
 
-    ck = export_checkpoint(obj.open(), ref, path, fmt=fmt, rank=rank, sub_key=sub_key, allow_pickle=allow_pickle)
+    with byte_progress("checking out") as progress:
+        ck = export_checkpoint(
+            obj.open(), ref, path, fmt=fmt, rank=rank, sub_key=sub_key, allow_pickle=allow_pickle, progress=progress
+        )
     console.print(f"exported {ck.ref} to {path} ({fmt})")
 
 

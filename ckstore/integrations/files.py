@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +88,7 @@ def import_checkpoint(
     tags: Sequence[str] = (),
     kind: str = "imported",
     allow_pickle: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Checkpoint:
     """Commit a checkpoint file or folder as ``step`` of a run, as rank 0.
 
@@ -104,7 +105,7 @@ def import_checkpoint(
     else:
         rank_states = {0: {sub_key: state}}
     return store.commit(  # type: ignore[no-any-return]
-        step, rank_states, metrics, tags=tags, kind=kind, run=run, allow_pickle=allow_pickle
+        step, rank_states, metrics, tags=tags, kind=kind, run=run, allow_pickle=allow_pickle, progress=progress
     )
 
 
@@ -154,6 +155,7 @@ def export_checkpoint(
     sub_key: str | None = None,
     consolidate: bool = True,
     allow_pickle: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Checkpoint:
     """Write checkpoint ``ref`` to ``path``: one rank (consolidated when sharded), or one sub-key.
 
@@ -163,8 +165,8 @@ def export_checkpoint(
     layout = WorldLayout.single() if consolidate and ckpt.world_layout.world_size > 1 else None
     sub_keys = [sub_key] if sub_key else None
     if layout is not None:
-        states = store.load(ckpt, layout, ranks=[0], sub_keys=sub_keys, allow_pickle=allow_pickle)[0]
+        states = store.load(ckpt, layout, ranks=[0], sub_keys=sub_keys, allow_pickle=allow_pickle, progress=progress)[0]
     else:
-        states = store.load(ckpt, ranks=[rank], sub_keys=sub_keys, allow_pickle=allow_pickle)[rank]
+        states = store.load(ckpt, ranks=[rank], sub_keys=sub_keys, allow_pickle=allow_pickle, progress=progress)[rank]
     write_checkpoint(states[sub_key] if sub_key else states, path, fmt)
     return ckpt
