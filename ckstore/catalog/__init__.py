@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, delete, exists, func, select, update
@@ -46,131 +42,28 @@ from ..layout import WorldLayout
 from ..records import Checkpoint, RunInfo
 from ..refs import Ref, check_name
 from ._engine import check_schema, make_engine, redact, upgrade_schema, write_txn
-from ._schema import (
-    COMMITTED,
-    Base,
-    PENDING,
-    CheckpointRow,
-    Chunk,
-    ChunkRef,
-    Entry,
-    Metric,
-    Pack,
-    Run,
-    Tag,
-    Trash,
+from ._rows import (
+    RUNS,
+    TABLES,
+    C,
+    ChunkLocation,
+    E,
+    K,
+    M,
+    NewChunk,
+    Owner,
+    P,
+    R,
+    T,
+    aware,
+    batches,
+    mark_live,
+    utcnow,
 )
+from ._queries import load_records, resolve_ref
+from ._schema import COMMITTED, PENDING
 
-__all__ = ["Catalog", "ChunkLocation", "NewChunk", "Owner", "utcnow"]
-
-_BATCH = 500
-
-_TABLES = Base.metadata.tables
-C = _TABLES[CheckpointRow.__tablename__]
-E = _TABLES[Entry.__tablename__]
-P = _TABLES[Pack.__tablename__]
-K = _TABLES[Chunk.__tablename__]
-R = _TABLES[ChunkRef.__tablename__]
-M = _TABLES[Metric.__tablename__]
-T = _TABLES[Tag.__tablename__]
-RUNS = _TABLES[Run.__tablename__]
-TRASH = _TABLES[Trash.__tablename__]
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def _aware(dt: datetime | None) -> datetime | None:
-    if dt is None:
-        return None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
-
-
-def _batches(items: Sequence[Any], n: int = _BATCH) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
-# nonces of the commits this process has in flight: a pending row of this very process whose
-# nonce is not here belongs to a commit that failed without cleaning up (the catalog was down)
-_LIVE_NONCES: set[str] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def _live(nonce: str, alive: bool) -> None:
-    with _LIVE_LOCK:
-        (_LIVE_NONCES.add if alive else _LIVE_NONCES.discard)(nonce)
-
-
-def _proc_start(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return "0"
-
-
-@dataclass(frozen=True, slots=True)
-class Owner:
-    """Who is committing: host, pid, the pid's start time (against pid reuse) and a nonce."""
-
-    host: str
-    pid: int
-    start: str
-    nonce: str
-
-    @classmethod
-    def me(cls) -> Owner:
-        pid = os.getpid()
-        return cls(socket.gethostname(), pid, _proc_start(pid), os.urandom(4).hex())
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}:{self.start}:{self.nonce}"
-
-    @classmethod
-    def parse(cls, s: str) -> Owner:
-        host, pid, start, nonce = s.rsplit(":", 3)
-        return cls(host, int(pid), start, nonce)
-
-    def describe(self) -> str:
-        return f"process {self.pid} on {self.host}"
-
-    def alive_here(self) -> bool | None:
-        """True/False when the owner ran on this host; None when it ran elsewhere."""
-        if self.host != socket.gethostname():
-            return None
-        if self.pid == os.getpid() and self.start == _proc_start(self.pid):
-            with _LIVE_LOCK:
-                return self.nonce in _LIVE_NONCES
-        if not os.path.exists(f"/proc/{self.pid}"):
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-            return True
-        return _proc_start(self.pid) == self.start
-
-
-@dataclass(frozen=True, slots=True)
-class NewChunk:
-    digest: bytes
-    offset: int
-    length: int
-    raw_size: int
-    codec: int
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkLocation:
-    pack_key: str
-    offset: int
-    length: int
-    raw_size: int
-    codec: int
-
+__all__ = ["Catalog", "ChunkLocation", "NewChunk", "Owner", "TABLES", "utcnow"]
 
 class Catalog:
     """The SQL catalog of one store (SQLite or PostgreSQL)."""
@@ -276,7 +169,7 @@ class Catalog:
                 .order_by(RUNS.c.created_at, RUNS.c.id)
             ).all()
         return [
-            RunInfo(r.name, _aware(r.created_at), int(r.n or 0), r.latest, r.parent_ref, int(r.logical or 0))  # type: ignore[arg-type]
+            RunInfo(r.name, aware(r.created_at), int(r.n or 0), r.latest, r.parent_ref, int(r.logical or 0))  # type: ignore[arg-type]
             for r in rows
         ]
 
@@ -337,7 +230,7 @@ class Catalog:
         that failed without cleaning up, or a lease not renewed in time) is taken over; a live
         one raises :class:`CommitInProgressError`.
         """
-        _live(owner.nonce, True)  # until finish_checkpoint or abort_checkpoint
+        mark_live(owner.nonce, True)  # until finish_checkpoint or abort_checkpoint
         for attempt in range(3):
             try:
                 with self._write() as conn:
@@ -356,7 +249,7 @@ class Catalog:
                             )
                         if r.status == PENDING:
                             prev = Owner.parse(r.owner)
-                            age = (now - _aware(r.heartbeat_at)).total_seconds()  # type: ignore[operator]
+                            age = (now - aware(r.heartbeat_at)).total_seconds()  # type: ignore[operator]
                             # a dead process, or a lease not renewed in time, gives the step up
                             if prev.alive_here() is not False and age < lease_seconds:
                                 raise CommitInProgressError(
@@ -412,7 +305,7 @@ class Catalog:
         found: set[bytes] = set()
         with self._write(lock="shared") as conn:
             self._own_pending(conn, ckpt_id, owner)
-            for batch in _batches(wanted):
+            for batch in batches(wanted):
                 rows = conn.execute(select(K.c.id, K.c.digest).where(K.c.digest.in_(batch))).all()
                 if rows:
                     conn.execute(
@@ -461,7 +354,7 @@ class Catalog:
             self._own_pending(conn, ckpt_id, owner)
             for pack_id, pack_size, _ in packs:
                 conn.execute(update(P).where(P.c.id == pack_id).values(size=pack_size))
-            for batch in _batches(ordered):
+            for batch in batches(ordered):
                 conn.execute(
                     self._insert(K)
                     .values(
@@ -506,7 +399,7 @@ class Catalog:
         try:
             return self._finish(ckpt_id, owner, entries, metrics, tags, logical_bytes, stored_bytes_added, replace)
         finally:
-            _live(owner.nonce, False)
+            mark_live(owner.nonce, False)
 
     def _finish(
         self,
@@ -531,7 +424,7 @@ class Catalog:
                         "to overwrite it"
                     )
                 conn.execute(delete(C).where(C.c.id == old))
-            for batch in _batches(list(entries), 100):
+            for batch in batches(list(entries), 100):
                 conn.execute(
                     E.insert(),
                     [
@@ -564,7 +457,7 @@ class Catalog:
 
     def abort_checkpoint(self, ckpt_id: int, owner: Owner) -> None:
         """Drop a pending checkpoint of ours; what it wrote becomes garbage for gc."""
-        _live(owner.nonce, False)
+        mark_live(owner.nonce, False)
         with self._write() as conn:
             conn.execute(delete(C).where(C.c.id == ckpt_id, C.c.status == PENDING, C.c.owner == str(owner)))
 
@@ -604,55 +497,7 @@ class Catalog:
 
     # -- queries ----------------------------------------------------------------------------
     def _records(self, conn: Connection, ids: Sequence[int]) -> list[Checkpoint]:
-        if not ids:
-            return []
-        out: dict[int, Checkpoint] = {}
-        for batch in _batches(list(ids)):
-            parent = C.alias("parent")
-            prun = RUNS.alias("prun")
-            rows = conn.execute(
-                select(C, RUNS.c.name.label("run_name"), parent.c.step.label("pstep"), prun.c.name.label("prun"))
-                .select_from(
-                    C.join(RUNS, RUNS.c.id == C.c.run_id)
-                    .outerjoin(parent, parent.c.id == C.c.parent_checkpoint_id)
-                    .outerjoin(prun, prun.c.id == parent.c.run_id)
-                )
-                .where(C.c.id.in_(batch))
-            ).all()
-            metrics: dict[int, dict[str, float]] = {}
-            for m in conn.execute(select(M).where(M.c.checkpoint_id.in_(batch))):
-                metrics.setdefault(m.checkpoint_id, {})[m.name] = math.nan if m.value is None else float(m.value)
-            tags: dict[int, list[str]] = {}
-            for t in conn.execute(select(T.c.checkpoint_id, T.c.name).where(T.c.checkpoint_id.in_(batch)).order_by(T.c.name)):
-                tags.setdefault(t.checkpoint_id, []).append(t.name)
-            layout: dict[int, tuple[set[int], list[str]]] = {}
-            for e in conn.execute(
-                select(E.c.checkpoint_id, E.c.rank, E.c.sub_key).where(E.c.checkpoint_id.in_(batch)).order_by(E.c.id)
-            ):
-                ranks, keys = layout.setdefault(e.checkpoint_id, (set(), []))
-                ranks.add(e.rank)
-                if e.sub_key not in keys:
-                    keys.append(e.sub_key)
-            for r in rows:
-                ranks, keys = layout.get(r.id, (set(), []))
-                out[r.id] = Checkpoint(
-                    id=r.id,
-                    run=r.run_name,
-                    step=int(r.step),
-                    kind=r.kind,
-                    status=r.status,
-                    created_at=_aware(r.created_at),  # type: ignore[arg-type]
-                    committed_at=_aware(r.committed_at),
-                    logical_bytes=int(r.logical_bytes or 0),
-                    stored_bytes_added=int(r.stored_bytes_added or 0),
-                    world_layout=WorldLayout.from_json(json.loads(r.world_layout)),
-                    metrics=metrics.get(r.id, {}),
-                    tags=tuple(tags.get(r.id, ())),
-                    ranks=tuple(sorted(ranks)),
-                    sub_keys=tuple(keys),
-                    parent=f"{r.prun}@{r.pstep}" if r.prun is not None else None,
-                )
-        return [out[i] for i in ids if i in out]
+        return load_records(conn, ids)
 
     def checkpoints(self, run: str | None = None, *, status: str = COMMITTED) -> list[Checkpoint]:
         with self._read() as conn:
@@ -673,53 +518,9 @@ class Catalog:
     def resolve(self, ref: Ref, default_run: str | None = None) -> Checkpoint:
         run = ref.run or default_run
         with self._read() as conn:
-            q = (
-                select(C.c.id, RUNS.c.name)
-                .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id))
-                .where(C.c.status == COMMITTED)
-            )
             if run is not None:
-                self._run_id(conn, run)
-                q = q.where(RUNS.c.name == run)
-            where = f" in run {run!r}" if run else ""
-            if ref.kind == "latest":
-                order = (C.c.step.desc(), C.c.committed_at.desc()) if run else (C.c.committed_at.desc(), C.c.id.desc())
-                row = conn.execute(q.order_by(*order).limit(1)).first()
-                if row is None:
-                    raise CheckpointNotFoundError(f"no committed checkpoint{where} yet")
-            elif ref.kind == "step":
-                rows = conn.execute(q.where(C.c.step == ref.value).limit(2)).all()
-                if not rows:
-                    raise CheckpointNotFoundError(f"no committed checkpoint at step {ref.value}{where} (see `ckstore log`)")
-                if len(rows) > 1:
-                    raise InvalidRefError(
-                        f"step {ref.value} exists in several runs ({', '.join(r.name for r in rows)}); "
-                        f"name one, as in {rows[0].name}@{ref.value}"
-                    )
-                row = rows[0]
-            elif ref.kind == "tag":
-                rows = conn.execute(
-                    q.join(T, T.c.checkpoint_id == C.c.id).where(T.c.name == ref.value).limit(2)
-                ).all()
-                if not rows:
-                    raise CheckpointNotFoundError(f"no checkpoint tagged {ref.value!r}{where} (see `ckstore log`)")
-                if len(rows) > 1:
-                    raise InvalidRefError(
-                        f"tag {ref.value!r} exists in several runs ({', '.join(r.name for r in rows)}); "
-                        f"name one, as in {rows[0].name}@{ref.value}"
-                    )
-                row = rows[0]
-            else:
-                value = M.c.value.asc() if ref.kind == "min" else M.c.value.desc()
-                row = conn.execute(
-                    q.join(M, M.c.checkpoint_id == C.c.id)
-                    .where(M.c.name == ref.value, M.c.value.is_not(None))
-                    .order_by(value, C.c.step.desc())
-                    .limit(1)
-                ).first()
-                if row is None:
-                    raise CheckpointNotFoundError(f"no committed checkpoint{where} has metric {ref.value!r}")
-            return self._records(conn, [row.id])[0]
+                self._run_id(conn, run)  # an unknown run is an error of its own
+            return load_records(conn, [resolve_ref(conn, ref, run)])[0]
 
     def entries(
         self, ckpt_id: int, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None
@@ -736,7 +537,7 @@ class Catalog:
         wanted = list(dict.fromkeys(digests))
         out: dict[bytes, ChunkLocation] = {}
         with self._read() as conn:
-            for batch in _batches(wanted):
+            for batch in batches(wanted):
                 rows = conn.execute(
                     select(K.c.digest, P.c.key, K.c.offset, K.c.length, K.c.raw_size, K.c.codec)
                     .select_from(K.join(P, P.c.id == K.c.pack_id))
@@ -763,7 +564,7 @@ class Catalog:
                 .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id))
                 .where(C.c.status == PENDING)
             ).all()
-        return [(r.id, r.name, int(r.step), r.owner, _aware(r.heartbeat_at)) for r in rows]  # type: ignore[misc]
+        return [(r.id, r.name, int(r.step), r.owner, aware(r.heartbeat_at)) for r in rows]  # type: ignore[misc]
 
     def delete_checkpoint(self, ckpt_id: int) -> None:
         """Remove a committed checkpoint's rows (its chunk references go with it)."""
@@ -775,5 +576,3 @@ def _reason(e: sa_exc.DBAPIError) -> str:
     return " ".join(str(e.orig if e.orig is not None else e).split())
 
 
-# Re-exported for modules that run set-based statements (gc, fsck, du).
-TABLES = {"checkpoints": C, "entries": E, "packs": P, "chunks": K, "chunk_refs": R, "metrics": M, "tags": T, "runs": RUNS, "trash": TRASH}
