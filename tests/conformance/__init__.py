@@ -14,10 +14,12 @@ class runs every suite listed.
 from __future__ import annotations
 
 from .catalog import StoreConformance, StoreSpec, assert_consistent, sample_states
+from .diff import DiffConformance
 from .gc import GcConformance
 
 __all__ = [
     "STORE_SUITES",
+    "DiffConformance",
     "GcConformance",
     "StoreConformance",
     "StoreSpec",
@@ -26,4 +28,4 @@ __all__ = [
 ]
 
 #: the store suites every backend runs
-STORE_SUITES: list[type] = [StoreConformance, GcConformance]
+STORE_SUITES: list[type] = [StoreConformance, GcConformance, DiffConformance]
