@@ -222,7 +222,9 @@ def load_candidates(conn: Connection, run: str | None) -> dict[str, list[Candida
 def _policies(
     conn: Connection, policy: Policy | None, run: str | None
 ) -> dict[str, tuple[Policy | None, str]]:
-    q = select(RUNS.c.name, RUNS.c.policy)
+    # in creation order: without ORDER BY, PostgreSQL returns rows in heap order, which an
+    # UPDATE (set_policy) changes, so reports would list runs in another order than on SQLite
+    q = select(RUNS.c.name, RUNS.c.policy).order_by(RUNS.c.id)
     if run is not None:
         q = q.where(RUNS.c.name == run)
     out: dict[str, tuple[Policy | None, str]] = {}

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the conformance suites live outside test_*.py files: show their failed asserts' values too
+pytest.register_assert_rewrite("conformance")
 
 import ckstore  # noqa: E402
 

@@ -14,8 +14,18 @@ class runs every suite listed.
 from __future__ import annotations
 
 from .catalog import StoreConformance, StoreSpec, assert_consistent, sample_states
+from .diff import DiffConformance
+from .gc import GcConformance
 
-__all__ = ["STORE_SUITES", "StoreConformance", "StoreSpec", "assert_consistent", "sample_states"]
+__all__ = [
+    "STORE_SUITES",
+    "DiffConformance",
+    "GcConformance",
+    "StoreConformance",
+    "StoreSpec",
+    "assert_consistent",
+    "sample_states",
+]
 
 #: the store suites every backend runs
-STORE_SUITES: list[type] = [StoreConformance]
+STORE_SUITES: list[type] = [StoreConformance, GcConformance, DiffConformance]

@@ -38,14 +38,16 @@ class StoreSpec:
     storage_options: dict[str, Any] | None = None
 
     def open(self, run: str | None = "exp", **kw: Any) -> ckstore.Store:
+        """Open the store; ``kw`` go to :func:`ckstore.open`. ``chunk_size`` and ``pack_size``
+        default to :data:`CHUNK` and :data:`PACK` (a suite may pick others, the same on every
+        open of its store: they are fixed when the store is created)."""
+        settings: dict[str, Any] = {"chunk_size": CHUNK, "pack_size": PACK, **kw}
         return ckstore.open(
             self.location,
             catalog=self.catalog,
             storage_options=self.storage_options,
             run=run,
-            chunk_size=CHUNK,
-            pack_size=PACK,
-            **kw,
+            **settings,
         )
 
 
