@@ -35,7 +35,6 @@ from ..errors import (
     CheckpointNotFoundError,
     CommitAbandonedError,
     CommitInProgressError,
-    InvalidRefError,
     NotFoundError,
 )
 from ..layout import WorldLayout
