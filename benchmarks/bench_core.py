@@ -82,8 +82,8 @@ def run_method(
 
 
 def bench_workload(label: str, sd: dict[str, torch.Tensor], root: str, chunk_sizes: list[int], cold: bool) -> list[dict[str, Any]]:
-    from safetensors.torch import load_file, save_file
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
 
     raw = nbytes(sd)
     results = []

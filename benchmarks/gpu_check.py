@@ -71,7 +71,7 @@ def main() -> None:
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bytes": nbytes}
 
     stage_tensors(tensors[:4])  # warm the pinned-memory cache and CUDA context
-    for rep in range(2):
+    for _ in range(2):
         res["naive_cpu_s"], host = timed(lambda: [t.detach().cpu() for t in tensors])
         del host
         res["staged_s"], host = timed(lambda: stage_tensors(tensors))

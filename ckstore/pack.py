@@ -20,10 +20,11 @@ from __future__ import annotations
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .blobstore import BlobStore
 from .codec import Frame

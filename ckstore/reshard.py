@@ -137,7 +137,7 @@ def _derive_even(
             for m, size in zip(ms, sizes):
                 index = index * size + c[m]
             lines.setdefault(line, {})[index] = p
-        for line, pieces in lines.items():
+        for pieces in lines.values():
             if len(pieces) < math.prod(sizes):
                 gap = next(i for i in range(math.prod(sizes)) if i not in pieces)
                 other = dict(coords[next(iter(pieces.values())).rank])

@@ -13,7 +13,12 @@ from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, open_blobs
 from .catalog import Catalog, Owner
 from .catalog._engine import redact
 from .config import CONFIG_KEY, StoreConfig, check_no_secret, expand
-from .errors import AlreadyExistsError, CheckpointNotFoundError, ChunkNotFoundError, StoreConfigError
+from .errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    ChunkNotFoundError,
+    StoreConfigError,
+)
 from .layout import WorldLayout
 from .manifest import Manifest
 from .pack import PackWriter

@@ -11,7 +11,13 @@ import pytest
 from conformance.blobstore import BlobStoreConformance
 from services import S3Server
 
-from ckstore.blobstore import S3_CONFIG_DEFAULTS, BlobStore, FsspecBlobStore, LocalBlobStore, open_blobstore
+from ckstore.blobstore import (
+    S3_CONFIG_DEFAULTS,
+    BlobStore,
+    FsspecBlobStore,
+    LocalBlobStore,
+    open_blobstore,
+)
 from ckstore.errors import BlobStoreError, StoreConfigError
 
 

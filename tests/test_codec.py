@@ -3,10 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import ALL_DTYPES, random_tensor
 
 from ckstore import codec
 from ckstore.errors import IntegrityError
-from helpers import ALL_DTYPES, random_tensor
 
 
 def _roundtrip(raw: np.ndarray, itemsize: int) -> codec.Frame:

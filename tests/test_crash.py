@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same
 
 import ckstore
-from helpers import assert_same
 
 ROOT = Path(__file__).resolve().parent.parent
 

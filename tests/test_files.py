@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import assert_same, small_model_state
 
 import ckstore
 from ckstore.cli import main
 from ckstore.integrations.files import export_checkpoint, import_checkpoint, read_checkpoint
-from helpers import assert_same, small_model_state
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])

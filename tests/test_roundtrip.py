@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ALL_DTYPES, assert_same, random_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckstore
-from helpers import ALL_DTYPES, assert_same, random_tensor
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same, small_model_state
 
 import ckstore
 from ckstore.errors import (
@@ -19,7 +20,6 @@ from ckstore.errors import (
     StoreConfigError,
     UnsupportedValueError,
 )
-from helpers import assert_same, small_model_state
 
 
 def test_commit_returns_record_and_checkout_latest(store: ckstore.Store) -> None:

@@ -41,6 +41,7 @@ from ..layout import WorldLayout
 from ..records import Checkpoint, RunInfo
 from ..refs import Ref, check_name
 from ._engine import check_schema, make_engine, redact, upgrade_schema, write_txn
+from ._queries import load_records, resolve_ref
 from ._rows import (
     RUNS,
     TABLES,
@@ -59,7 +60,6 @@ from ._rows import (
     mark_live,
     utcnow,
 )
-from ._queries import load_records, resolve_ref
 from ._schema import COMMITTED, PENDING
 
 __all__ = ["Catalog", "ChunkLocation", "NewChunk", "Owner", "TABLES", "utcnow"]

@@ -8,7 +8,16 @@ import click
 from rich.table import Table
 from rich.tree import Tree
 
-from ._common import Ctx, console, fmt_metric, handle_errors, human_bytes, human_time, pass_ctx, print_json
+from ._common import (
+    Ctx,
+    console,
+    fmt_metric,
+    handle_errors,
+    human_bytes,
+    human_time,
+    pass_ctx,
+    print_json,
+)
 
 
 @click.command()

@@ -24,10 +24,9 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
 
     import ckstore
     from ckstore.demo import DemoConfig, Trainer, train
-
-    from ._core import log_table
     from ckstore.retention import BestN, ByKind, KeepAll, LatestN
 
+    from ._core import log_table
     from ._diff import render as render_diff
     from ._gc import render_gc
 

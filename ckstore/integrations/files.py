@@ -64,8 +64,8 @@ def read_checkpoint(path: str, fmt: str = "auto", *, allow_pickle: bool = False)
         return load_file(path)
     if fmt == "dcp":
         # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         sd: dict[str, Any] = {}
