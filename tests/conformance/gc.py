@@ -151,8 +151,13 @@ def killed_commit(store: ckstore.Store, step: int, states: dict[int, dict[str, A
     packs and chunk rows it had written and the references it had claimed."""
     dead = _dead_owner()
 
+    def recorded() -> bool:  # a pack's chunks are recorded once its upload ends, maybe in the background
+        with catalog_read(store.catalog) as conn:
+            q = select(func.count()).select_from(K.join(P, P.c.id == K.c.pack_id).join(C, C.c.id == P.c.owner_checkpoint_id))
+            return bool(conn.execute(q.where(C.c.step == step, C.c.status == PENDING)).scalar())
+
     def die(done: int, total: int) -> None:
-        if done > total // 2:
+        if done > total // 2 and (done >= total or recorded()):
             with catalog_write(store.catalog) as conn:  # from now on the row is the dead process's
                 mine = and_(C.c.step == step, C.c.status == PENDING)
                 conn.execute(update(C).where(mine).values(owner=str(dead)))
