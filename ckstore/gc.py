@@ -22,20 +22,18 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, DateTime, Table, and_, delete, exists, func, literal, or_, select
-from sqlalchemy import exc as sa_exc
 
 from .blobstore import BlobStore, LocalBlobStore
 from .catalog import TABLES, Catalog, Owner, utcnow
-from .catalog._engine import redact, write_txn
 from .catalog._schema import COMMITTED, PENDING
-from .errors import CatalogError, NotFoundError, PolicyError
+from .errors import NotFoundError, PolicyError
 from .retention import KeepAll, Policy, policy_from_json
 
 __all__ = [
@@ -70,32 +68,15 @@ M, T, RUNS, TRASH = (_table(n) for n in ("metrics", "tags", "runs", "trash"))
 
 
 # -- transactions -------------------------------------------------------------------------------
-@contextmanager
-def catalog_write(catalog: Catalog, lock: str | None = None) -> Iterator[Connection]:
-    """A write transaction (``lock="exclusive"`` for sweeps), translating database failures."""
-    try:
-        with write_txn(catalog.engine, lock) as conn:
-            yield conn
-    except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
-        raise CatalogError(
-            f"catalog {redact(catalog.url)} failed during garbage collection (the transaction was "
-            f"rolled back; run gc again): {e.orig if e.orig is not None else e}"
-        ) from e
+def catalog_write(catalog: Catalog, lock: str | None = None) -> AbstractContextManager[Connection]:
+    """A write transaction (``lock="exclusive"`` for sweeps); a failure rolls it back, and gc
+    can simply run again."""
+    return catalog.transaction(lock)
 
 
-@contextmanager
-def catalog_read(catalog: Catalog) -> Iterator[Connection]:
+def catalog_read(catalog: Catalog) -> AbstractContextManager[Connection]:
     """A read transaction that sees one snapshot (REPEATABLE READ on PostgreSQL)."""
-    try:
-        with catalog.engine.connect() as conn:
-            if catalog.dialect == "postgresql":
-                conn = conn.execution_options(isolation_level="REPEATABLE READ")
-            with conn.begin():
-                yield conn
-    except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
-        raise CatalogError(
-            f"reading catalog {redact(catalog.url)} failed: {e.orig if e.orig is not None else e}"
-        ) from e
+    return catalog.snapshot()
 
 
 # -- report types -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -84,6 +84,15 @@ class Catalog:
         return upgrade_schema(self.engine)
 
     # -- plumbing -------------------------------------------------------------------------
+    def transaction(self, lock: str | None = None) -> AbstractContextManager[Connection]:
+        """A write transaction for set-based maintenance (gc, fsck); ``lock="exclusive"`` keeps
+        commits from claiming chunks meanwhile. Database failures become :class:`CatalogError`."""
+        return self._write(lock)
+
+    def snapshot(self) -> AbstractContextManager[Connection]:
+        """A read transaction that sees one snapshot of the catalog."""
+        return self._read()
+
     @contextmanager
     def _write(self, lock: str | None = None) -> Iterator[Connection]:
         try:

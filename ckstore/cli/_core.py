@@ -228,11 +228,8 @@ def db() -> None:
     """Catalog schema maintenance."""
 
 
-@db.command()
-@pass_ctx
-@handle_errors
-def upgrade(obj: Ctx) -> None:
-    """Upgrade the catalog's schema to this ckstore's version."""
+def _unchecked_catalog(obj: Ctx) -> Any:
+    """The store's catalog, opened without the schema check (which would refuse an old one)."""
     from ..blobstore import open_blobstore
     from ..catalog import Catalog
     from ..store import _catalog_url, _read_config
@@ -242,8 +239,15 @@ def upgrade(obj: Ctx) -> None:
     cfg = _read_config(blobs)
     if cfg is None:
         raise click.UsageError(f"no ckstore store at {loc}")
-    cat = Catalog(_catalog_url(loc, blobs, cfg, obj.catalog), check=False)
-    before, after = cat.upgrade()
+    return Catalog(_catalog_url(loc, blobs, cfg, obj.catalog), check=False)
+
+
+@db.command()
+@pass_ctx
+@handle_errors
+def upgrade(obj: Ctx) -> None:
+    """Upgrade the catalog's schema to this ckstore's version."""
+    before, after = _unchecked_catalog(obj).upgrade()
     if before == after:
         console.print(f"catalog already at schema revision {after}")
     else:
@@ -257,17 +261,9 @@ def current(obj: Ctx) -> None:
     """Print the catalog's schema revision and the one this ckstore needs."""
     from sqlalchemy import text
 
-    from ..blobstore import open_blobstore
-    from ..catalog import Catalog
     from ..catalog._engine import head_revision
-    from ..store import _catalog_url, _read_config
 
-    loc = obj.require_location()
-    blobs = open_blobstore(loc)
-    cfg = _read_config(blobs)
-    if cfg is None:
-        raise click.UsageError(f"no ckstore store at {loc}")
-    cat = Catalog(_catalog_url(loc, blobs, cfg, obj.catalog), check=False)
+    cat = _unchecked_catalog(obj)
     with cat.engine.connect() as conn:
         try:
             rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
