@@ -97,11 +97,25 @@ def _commits_against_gc(path: Path, catalog: str | None) -> None:
     n = 20
     s = ckstore.open(path, catalog=catalog, chunk_size=64 * 1024, pack_size=1024 * 1024)
     stop = path.parent / "stop"
+    beat = path.parent / "gc-runs"
+    # the committer never gets more than one commit ahead of the collector's gc runs, so the
+    # space bound below holds however the two processes are scheduled; they still overlap
     committer = spawn(
         f"""
+        import time
+        from pathlib import Path
         s = ckstore.open({str(path)!r}, run="train")
+        beat = Path({str(beat)!r})
         print("ready", flush=True)
+        seen = -1
         for step in range({n}):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                runs = int(beat.read_text() or -1) if beat.exists() else -1
+                if runs > seen:
+                    break
+                time.sleep(0.01)
+            seen = runs
             s.commit(step, {{0: state(step)}}, {{"val_loss": val_loss(step)}})
         """
     )
@@ -116,6 +130,9 @@ def _commits_against_gc(path: Path, catalog: str | None) -> None:
         while not os.path.exists({str(stop)!r}):
             dropped += len(s.gc(policy, grace=60).dropped)
             runs += 1
+            tmp = Path({str(beat)!r} + ".tmp")
+            tmp.write_text(str(runs))
+            tmp.replace({str(beat)!r})
             size = sum(p.stat().st_size for p in Path({str(path)!r}, "packs").rglob("*") if p.is_file())
             peak = max(peak, size)
             trace.append((size, len(s.checkpoints())))
