@@ -571,6 +571,7 @@ class Catalog:
                 select(C.c.id, RUNS.c.name, C.c.step, C.c.owner, C.c.heartbeat_at)
                 .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id))
                 .where(C.c.status == PENDING)
+                .order_by(C.c.id)
             ).all()
         return [(r.id, r.name, int(r.step), r.owner, aware(r.heartbeat_at)) for r in rows]  # type: ignore[misc]
 

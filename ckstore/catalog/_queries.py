@@ -37,7 +37,7 @@ def load_records(conn: Connection, ids: Sequence[int]) -> list[Checkpoint]:
             .where(C.c.id.in_(batch))
         ).all()
         metrics: dict[int, dict[str, float]] = {}
-        for m in conn.execute(select(M).where(M.c.checkpoint_id.in_(batch))):
+        for m in conn.execute(select(M).where(M.c.checkpoint_id.in_(batch)).order_by(M.c.checkpoint_id, M.c.name)):
             metrics.setdefault(m.checkpoint_id, {})[m.name] = math.nan if m.value is None else float(m.value)
         tags: dict[int, list[str]] = {}
         for t in conn.execute(select(T.c.checkpoint_id, T.c.name).where(T.c.checkpoint_id.in_(batch)).order_by(T.c.name)):
