@@ -195,6 +195,20 @@ class BlobStore(ABC):
     @abstractmethod
     def _put_exclusive(self, key: str, data: memoryview) -> None: ...
 
+    def stale_temp_files(self, older_than: float) -> Sequence[str]:
+        """Leftovers of writes that never finished (a killed process), started before
+        ``older_than`` (seconds since the epoch): temp files of a local folder, unfinished
+        multipart uploads of an object store. The handles are for :meth:`discard_temp_files`."""
+        return []
+
+    def discard_temp_files(self, handles: Sequence[str]) -> int:
+        """Remove leftovers :meth:`stale_temp_files` found; returns how many were removed."""
+        return 0
+
+    def temp_file_key(self, handle: str) -> str | None:
+        """The key a leftover was being written to, where the backend knows it (else None)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -317,7 +331,6 @@ class LocalBlobStore(BlobStore):
         return os.path.isfile(self._path(key))
 
     def stale_temp_files(self, older_than: float) -> list[str]:
-        """Temp files of writes that never finished (a killed process), older than a time."""
         out = []
         for name in os.listdir(self._tmp):
             p = os.path.join(self._tmp, name)
@@ -327,6 +340,16 @@ class LocalBlobStore(BlobStore):
             except FileNotFoundError:
                 pass
         return out
+
+    def discard_temp_files(self, handles: Sequence[str]) -> int:
+        n = 0
+        for p in handles:
+            try:
+                os.unlink(p)
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
 
 
 def _fsync_dir(path: str) -> None:
@@ -553,6 +576,42 @@ class FsspecBlobStore(BlobStore):
     def _exists(self, key: str) -> bool:
         path = self._path(key)
         return bool(self._call(f"checking {key!r}", lambda: self.fs.exists(path)))
+
+    def stale_temp_files(self, older_than: float) -> list[str]:
+        """Unfinished multipart uploads under this store's prefix (S3 only): what a commit killed
+        while uploading a large pack leaves behind, billed until aborted."""
+        lister = getattr(self.fs, "list_multipart_uploads", None)
+        if lister is None or not self.root:
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        uploads = self._call("listing unfinished uploads", lambda: lister(bucket))
+        out = []
+        for u in uploads or ():
+            key, started = str(u.get("Key", "")), u.get("Initiated")
+            when = started.timestamp() if hasattr(started, "timestamp") else None
+            if key.startswith(f"{prefix}/" if prefix else "") and when is not None and when < older_than:
+                out.append(f"{bucket}/{key}\n{u['UploadId']}")
+        return out
+
+    def temp_file_key(self, handle: str) -> str | None:
+        path = handle.partition("\n")[0]
+        prefix = f"{self.root}/"
+        return path[len(prefix) :] if path.startswith(prefix) else None
+
+    def discard_temp_files(self, handles: Sequence[str]) -> int:
+        n = 0
+        for h in handles:
+            path, _, upload_id = h.partition("\n")
+            bucket, _, key = path.partition("/")
+            try:
+                self._call(
+                    f"aborting the upload of {key!r}",
+                    lambda b=bucket, k=key, u=upload_id: self.fs.abort_mpu(b, k, u),  # type: ignore[misc]
+                )
+                n += 1
+            except BlobStoreError:
+                pass  # already completed or aborted
+        return n
 
 
 def is_local_url(url: str) -> bool:

@@ -351,7 +351,7 @@ def check(
         damage, used_bad = _walk_manifests(conn, ckpts, bad)
 
     orphans = tuple(sorted((k, listing[k][0]) for k in listing if k not in known))
-    temps = tuple(stale_temp_files(blobs, cutoff))
+    temps = tuple(stale_temp_files(blobs, cutoff, catalog))
     fixed_orphans: tuple[str, ...] = ()
     fixed_pending: tuple[Reaped, ...] = ()
     fixed_temps = 0
@@ -361,7 +361,7 @@ def check(
         fixed_orphans = tuple(old)
         with catalog_write(catalog) as conn:
             fixed_pending = tuple(reap_abandoned(conn, grace, utcnow()))
-        fixed_temps = remove_temp_files(temps)
+        fixed_temps = remove_temp_files(blobs, temps)
     return FsckReport(
         deep=deep,
         checkpoints=len(ckpts),

@@ -20,7 +20,6 @@ a real run would do.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -30,7 +29,7 @@ from typing import Any
 
 from sqlalchemy import Connection, DateTime, Table, and_, delete, exists, func, literal, or_, select
 
-from .blobstore import BlobStore, LocalBlobStore
+from .blobstore import BlobStore
 from .catalog import TABLES, Catalog, Owner, utcnow
 from .catalog._schema import COMMITTED, PENDING
 from .errors import NotFoundError, PolicyError
@@ -396,8 +395,19 @@ def find_orphans(
         return sorted(unknown_keys(conn, cands))
 
 
-def stale_temp_files(blobs: BlobStore, cutoff: float) -> list[str]:
-    return blobs.stale_temp_files(cutoff) if isinstance(blobs, LocalBlobStore) else []
+def stale_temp_files(blobs: BlobStore, cutoff: float, catalog: Catalog) -> list[str]:
+    """Temp files (local folders) and unfinished multipart uploads (S3) older than ``cutoff``,
+    except uploads of packs that a commit still in flight owns: however long a live commit
+    takes, gc never breaks it."""
+    handles = list(blobs.stale_temp_files(cutoff))
+    keys = {h: blobs.temp_file_key(h) for h in handles}
+    named = sorted({k for k in keys.values() if k})
+    if not named:
+        return handles
+    live_owner = P.c.owner_checkpoint_id.in_(select(C.c.id).where(C.c.status == PENDING))
+    with catalog_read(catalog) as conn:
+        live = {k for (k,) in conn.execute(select(P.c.key).where(P.c.key.in_(named), live_owner))}
+    return [h for h in handles if keys[h] not in live]
 
 
 def _delete_objects(blobs: BlobStore, keys: Sequence[str], phase: str, progress: Progress | None,
@@ -411,15 +421,8 @@ def _delete_objects(blobs: BlobStore, keys: Sequence[str], phase: str, progress:
             progress(phase, min(i + 100, len(keys)), len(keys))
 
 
-def remove_temp_files(paths: Sequence[str]) -> int:
-    n = 0
-    for p in paths:
-        try:
-            os.unlink(p)
-            n += 1
-        except FileNotFoundError:
-            pass
-    return n
+def remove_temp_files(blobs: BlobStore, handles: Sequence[str]) -> int:
+    return blobs.discard_temp_files(handles)
 
 
 # -- gc -----------------------------------------------------------------------------------------
@@ -461,7 +464,7 @@ def collect(
     in_trash = set(trash_keys)
     orphans = [k for k in find_orphans(catalog, listing, cutoff) if k not in in_trash]
     orphan_bytes = sum(listing[k][0] for k in orphans)
-    temps = stale_temp_files(blobs, cutoff)
+    temps = stale_temp_files(blobs, cutoff, catalog)
 
     if not dry_run:
 
@@ -471,7 +474,7 @@ def collect(
 
         _delete_objects(blobs, trash_keys, "delete", progress, forget)
         _delete_objects(blobs, orphans, "orphans", progress)
-        remove_temp_files(temps)
+        remove_temp_files(blobs, temps)
 
     return GcReport(
         dry_run=dry_run,

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from conformance import StoreSpec, assert_consistent, sample_states
 from conformance.catalog import CHUNK, mp_context
 from helpers import assert_same
-from services import S3_SECRET, S3Server
+from services import S3_KEY, S3_REGION, S3_SECRET, S3Server
 from sqlalchemy import select
 
 import ckstore
@@ -152,6 +152,44 @@ def test_s3_commit_uploads_packs_in_parallel(s3_server: S3Server, tmp_path: Path
     assert elapsed < packs * 0.2 / 2  # well under one upload after another
     assert_same(store.checkout(1), state)
     assert_consistent(store)
+
+
+@pytest.mark.s3
+def test_gc_aborts_unfinished_uploads_of_killed_commits(s3_server: S3Server, tmp_path: Path) -> None:
+    """A commit killed while uploading a large pack leaves a multipart upload; gc aborts it."""
+    import boto3
+
+    store = _s3_store(s3_server, tmp_path)
+    store.commit(1, {0: {"m": {"w": torch.ones(4)}}})
+    bucket = store.blobs.root.split("/")[0]  # type: ignore[attr-defined]
+    client = boto3.client(
+        "s3", endpoint_url=s3_server.endpoint, region_name=S3_REGION, aws_access_key_id=S3_KEY,
+        aws_secret_access_key=S3_SECRET,
+    )  # fmt: skip
+    ours = client.create_multipart_upload(Bucket=bucket, Key="store/packs/ab/" + "ab" * 16)["UploadId"]
+    client.upload_part(Bucket=bucket, Key="store/packs/ab/" + "ab" * 16, UploadId=ours, PartNumber=1, Body=b"x" * 1024)
+    other = client.create_multipart_upload(Bucket=bucket, Key="elsewhere/big.bin")["UploadId"]
+    # a commit in flight (this process, alive) uploading its pack: never aborted
+    from ckstore.catalog import Owner
+
+    owner = Owner.me()
+    ckpt = store.catalog.begin_checkpoint(
+        "exp", 2, kind="checkpoint", replace=False, owner=owner, world_layout=ckstore.WorldLayout.flat(1),
+        lease_seconds=60,
+    )  # fmt: skip
+    live_key = "packs/cd/" + "cd" * 16
+    store.catalog.register_pack(ckpt, owner, live_key)
+    live = client.create_multipart_upload(Bucket=bucket, Key="store/" + live_key)["UploadId"]
+
+    def uploads() -> set[str]:
+        return {u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+
+    assert uploads() == {ours, other, live}
+    # (moto reports every upload as started in 2010, so the grace cannot be shown here)
+    report = store.gc(grace=0)
+    assert report.temp_files_deleted == 1
+    assert uploads() == {other, live}  # only this store's prefix, never a live commit's pack
+    assert torch.equal(store.checkout(1)[0]["m"]["w"], torch.ones(4))
 
 
 # -- the command line, with the endpoint and credentials in the environment ---------------------
