@@ -2,8 +2,9 @@
 
 A character-level GRU language model learns to write Python, trained on the source of a few
 standard-library modules (always present, nothing to download). It commits every few steps with
-its real train and validation loss, then the job shows the log, checks out the best checkpoint by
-validation loss and resumes training from it.
+its real train and validation loss; ``ckstore demo`` then shows the log, checks out the best
+checkpoint by validation loss and resumes from it, forks a fine-tune with a frozen embedding and
+diffs it against its parent, and applies a retention policy with gc.
 """
 
 from __future__ import annotations

@@ -405,63 +405,50 @@ class Catalog:
     ) -> Checkpoint:
         """Make the pending checkpoint visible, in one transaction."""
         try:
-            return self._finish(ckpt_id, owner, entries, metrics, tags, logical_bytes, stored_bytes_added, replace)
+            with self._write(lock="shared") as conn:
+                row = self._own_pending(conn, ckpt_id, owner)
+                old = conn.execute(
+                    select(C.c.id).where(C.c.run_id == row.run_id, C.c.step == row.step, C.c.status == COMMITTED)
+                ).scalar()
+                if old is not None:
+                    if not replace:
+                        raise AlreadyExistsError(
+                            f"step {row.step} was committed by another process meanwhile; pass replace=True "
+                            "to overwrite it"
+                        )
+                    conn.execute(delete(C).where(C.c.id == old))
+                for batch in batches(list(entries), 100):
+                    conn.execute(
+                        E.insert(),
+                        [
+                            {"checkpoint_id": ckpt_id, "rank": r, "sub_key": k, "manifest": m, "logical_bytes": n}
+                            for r, k, m, n in batch
+                        ],
+                    )
+                if metrics:
+                    conn.execute(
+                        M.insert(),
+                        [
+                            {"checkpoint_id": ckpt_id, "name": k, "value": None if math.isnan(v) else v}
+                            for k, v in metrics.items()
+                        ],
+                    )
+                for name in dict.fromkeys(tags):
+                    self._set_tag(conn, row.run_id, name, ckpt_id)
+                conn.execute(
+                    update(C)
+                    .where(C.c.id == ckpt_id)
+                    .values(
+                        status=COMMITTED,
+                        committed_at=utcnow(),
+                        logical_bytes=logical_bytes,
+                        stored_bytes_added=stored_bytes_added,
+                    )
+                )
+                conn.execute(update(P).where(P.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None))
+                return self._records(conn, [ckpt_id])[0]
         finally:
             mark_live(owner.nonce, False)
-
-    def _finish(
-        self,
-        ckpt_id: int,
-        owner: Owner,
-        entries: Sequence[tuple[int, str, bytes, int]],
-        metrics: dict[str, float],
-        tags: Sequence[str],
-        logical_bytes: int,
-        stored_bytes_added: int,
-        replace: bool,
-    ) -> Checkpoint:
-        with self._write(lock="shared") as conn:
-            row = self._own_pending(conn, ckpt_id, owner)
-            old = conn.execute(
-                select(C.c.id).where(C.c.run_id == row.run_id, C.c.step == row.step, C.c.status == COMMITTED)
-            ).scalar()
-            if old is not None:
-                if not replace:
-                    raise AlreadyExistsError(
-                        f"step {row.step} was committed by another process meanwhile; pass replace=True "
-                        "to overwrite it"
-                    )
-                conn.execute(delete(C).where(C.c.id == old))
-            for batch in batches(list(entries), 100):
-                conn.execute(
-                    E.insert(),
-                    [
-                        {"checkpoint_id": ckpt_id, "rank": r, "sub_key": k, "manifest": m, "logical_bytes": n}
-                        for r, k, m, n in batch
-                    ],
-                )
-            if metrics:
-                conn.execute(
-                    M.insert(),
-                    [
-                        {"checkpoint_id": ckpt_id, "name": k, "value": None if math.isnan(v) else v}
-                        for k, v in metrics.items()
-                    ],
-                )
-            for name in dict.fromkeys(tags):
-                self._set_tag(conn, row.run_id, name, ckpt_id)
-            conn.execute(
-                update(C)
-                .where(C.c.id == ckpt_id)
-                .values(
-                    status=COMMITTED,
-                    committed_at=utcnow(),
-                    logical_bytes=logical_bytes,
-                    stored_bytes_added=stored_bytes_added,
-                )
-            )
-            conn.execute(update(P).where(P.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None))
-            return self._records(conn, [ckpt_id])[0]
 
     def abort_checkpoint(self, ckpt_id: int, owner: Owner) -> None:
         """Drop a pending checkpoint of ours; what it wrote becomes garbage for gc."""
