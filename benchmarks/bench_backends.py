@@ -42,8 +42,8 @@ from rich.table import Table
 
 import ckstore
 from ckstore.catalog import Catalog, NewChunk, Owner
+from ckstore.format.pack import new_pack_key
 from ckstore.layout import WorldLayout
-from ckstore.pack import new_pack_key
 
 console = Console(width=140)
 REGION = "eu-west-1"

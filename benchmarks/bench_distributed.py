@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import empty as dempty
 
     import ckstore
-    from ckstore.integrations.distributed import active_group, commit_collective
+    from ckstore.commit.collective import active_group, commit_collective
 
     rank, world = args.rank, args.world
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import ckstore
-from ckstore.tensorio import stage_tensors
+from ckstore.format.tensorio import stage_tensors
 
 
 def gpu_state(gib: float, dev: torch.device) -> dict[str, Any]:

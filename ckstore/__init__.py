@@ -29,8 +29,9 @@ from .errors import (
     UnsupportedValueError,
 )
 from .layout import Shard, WorldLayout
+from .opening import init, open
 from .records import Checkpoint, RunInfo
-from .store import Store, init, open
+from .store import Store
 
 __version__ = "0.1.0"
 

@@ -7,39 +7,37 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from . import _commit
-from ._checkout import execute_plan
-from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, open_blobstore
+from .blobstore import BlobStore
 from .catalog import Catalog, Owner
-from .catalog._engine import redact
-from .config import CONFIG_KEY, StoreConfig, check_no_secret, expand
+from .checkout.executor import execute_plan
+from .checkout.reshard import plan_checkout
+from .commit import _stage
+from .config import StoreConfig
 from .errors import (
-    AlreadyExistsError,
     CheckpointNotFoundError,
     ChunkNotFoundError,
     StoreConfigError,
 )
+from .format.manifest import Manifest
+from .format.pack import PackWriter
+from .format.tensorio import dtype_from_name, itemsize, to_device, unflatten
 from .layout import WorldLayout
-from .manifest import Manifest
-from .pack import PackWriter
 from .records import Checkpoint, RunInfo
 from .refs import check_name, parse_ref
-from .reshard import plan_checkout
-from .tensorio import dtype_from_name, itemsize, to_device, unflatten
 
-__all__ = ["Store", "open", "init"]
+__all__ = ["Store", "RankStates"]
 
 if TYPE_CHECKING:
     from .diff import DiffResult
-    from .lineage import Ancestor
+    from .diff.lineage import Ancestor
 
 RankStates = Mapping[int, Mapping[str, Any]]
 
 if TYPE_CHECKING:  # retention and garbage collection
-    from .du import DuReport
-    from .fsck import FsckReport
-    from .gc import GcReport
-    from .retention import Policy
+    from .maintenance.du import DuReport
+    from .maintenance.fsck import FsckReport
+    from .maintenance.gc import GcReport
+    from .maintenance.retention import Policy
 
 
 def _default_workers() -> int:
@@ -112,8 +110,8 @@ class Store:
         job's mesh (by default the DTensors' device mesh, else every rank along ``dp``).
         ``progress(done_bytes, total_bytes)`` is called as chunks are written.
         """
-        from .integrations import distributed as _dist
-        from .integrations.dtensor import DTensorLeaves, default_layout
+        from .commit import collective as _dist
+        from .commit.dtensor import DTensorLeaves, default_layout
 
         group = _dist.active_group(process_group)
         if group is not None:  # arguments are checked inside, where every rank learns the outcome
@@ -125,11 +123,11 @@ class Store:
             return record
         run_name, clean_metrics = self._check_commit(step, metrics, tags, kind, run)
         hook = DTensorLeaves()
-        entries = _commit.prepare_entries(rank_states, allow_pickle=allow_pickle, tensor_hook=hook)
+        entries = _stage.prepare_entries(rank_states, allow_pickle=allow_pickle, tensor_hook=hook)
         layout = world_layout or default_layout(hook, max(e.rank for e in entries) + 1)
         for e in entries:
             layout.coords(e.rank)  # a rank outside the layout is an error
-        specs = _commit.resolve_entry_shards(entries, layout)
+        specs = _stage.resolve_entry_shards(entries, layout)
         parent_id = self._parent_id(parent, run_name)
         return self._commit_prepared(
             run_name, step, entries, specs, layout, clean_metrics, tuple(tags), kind, replace, parent_id, progress
@@ -157,7 +155,7 @@ class Store:
         return check_name("run", name)
 
     def _parent_id(self, parent: str | int | None, run: str) -> int | None:
-        from .lineage import commit_parent
+        from .diff.lineage import commit_parent
 
         return commit_parent(self, parent, run)
 
@@ -165,7 +163,7 @@ class Store:
         self,
         run: str,
         step: int,
-        entries: list[_commit.PreparedEntry],
+        entries: list[_stage.PreparedEntry],
         specs: Mapping[tuple[int, str, str], Any],
         layout: WorldLayout,
         metrics: dict[str, float],
@@ -182,13 +180,13 @@ class Store:
             lease_seconds=cfg.lease_seconds, parent_checkpoint_id=parent_id,
         )  # fmt: skip
         try:
-            with _commit.Heartbeat(self.catalog, ckpt_id, owner, cfg.lease_seconds / 4) as hb, ThreadPoolExecutor(
+            with _stage.Heartbeat(self.catalog, ckpt_id, owner, cfg.lease_seconds / 4) as hb, ThreadPoolExecutor(
                 self.workers, thread_name_prefix="ckstore-commit"
             ) as pool:
-                staged = _commit.stage_and_hash(entries, specs, cfg.chunk_size, pool)
-                missing = self.catalog.claim_chunks(ckpt_id, owner, _commit.all_digests(staged))
+                staged = _stage.stage_and_hash(entries, specs, cfg.chunk_size, pool)
+                missing = self.catalog.claim_chunks(ckpt_id, owner, _stage.all_digests(staged))
                 added: list[int] = []
-                on_open, on_close = _commit.catalog_pack_callbacks(self.catalog, ckpt_id, owner, added)
+                on_open, on_close = _stage.catalog_pack_callbacks(self.catalog, ckpt_id, owner, added)
                 writer = PackWriter(self.blobs, cfg.pack_size, on_open, on_close)
                 total = sum(
                     st.chunk(i, cfg.chunk_size).nbytes
@@ -204,11 +202,11 @@ class Store:
                     if progress is not None:
                         progress(done[0], total)
 
-                _commit.write_missing(
+                _stage.write_missing(
                     staged, missing, writer, pool, chunk_size=cfg.chunk_size,
                     level=cfg.compression_level, window=2 * self.workers, progress=tick,
                 )  # fmt: skip
-                manifests = _commit.build_manifests(entries, staged, cfg.chunk_size)
+                manifests = _stage.build_manifests(entries, staged, cfg.chunk_size)
             return self.catalog.finish_checkpoint(
                 ckpt_id, owner, entries=manifests, metrics=metrics, tags=tags,
                 logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=sum(added), replace=replace,
@@ -241,7 +239,7 @@ class Store:
         Inside an initialized ``torch.distributed`` job each rank gets only its own states.
         Tensors come back on the CPU unless ``device`` names another (``"cuda"``, ``"cuda:1"``).
         """
-        from .integrations import distributed as _dist
+        from .commit import collective as _dist
 
         ckpt = self.resolve(ref, run=run)
         group = _dist.active_group(process_group)
@@ -371,20 +369,20 @@ class Store:
         """What changed from checkpoint ``a`` to checkpoint ``b`` (refs of any runs, or bare run
         names for their latest checkpoints); see :func:`ckstore.diff.diff_checkpoints`."""
         from .diff import diff_checkpoints
-        from .lineage import resolve_ref_or_run
+        from .diff.lineage import resolve_ref_or_run
 
         ca, cb = resolve_ref_or_run(self, a), resolve_ref_or_run(self, b)
         return diff_checkpoints(self, ca, cb, sub_key=sub_key, key=key, stats=stats, tolerance=tolerance)
 
     def fork(self, ref: str | int | Checkpoint, new_run: str) -> Checkpoint:
         """Start run ``new_run`` from checkpoint ``ref``; its first commit descends from it."""
-        from .lineage import fork
+        from .diff.lineage import fork
 
         return fork(self, ref, new_run)
 
     def lineage(self, run: str | None = None) -> list[Ancestor]:
         """The checkpoints ``run`` (default: the store's run) descends from, nearest first."""
-        from .lineage import lineage
+        from .diff.lineage import lineage
 
         name = run or self.run
         if name is None:
@@ -395,15 +393,15 @@ class Store:
     def set_policy(self, run: str, policy: Policy | None) -> None:
         """Store ``policy`` as ``run``'s retention policy (None clears it); ``gc()`` applies it."""
         from .errors import PolicyError
-        from .retention import Policy, policy_to_json
+        from .maintenance.retention import Policy, policy_to_json
 
         if policy is not None and not isinstance(policy, Policy):
-            raise PolicyError(f"policy must be a ckstore.retention.Policy, got {type(policy).__name__}")
+            raise PolicyError(f"policy must be a ckstore.maintenance.retention.Policy, got {type(policy).__name__}")
         self.catalog.set_run_policy(check_name("run", run), None if policy is None else policy_to_json(policy))
 
     def policy(self, run: str) -> Policy | None:
         """``run``'s stored retention policy, or None."""
-        from .retention import policy_from_json
+        from .maintenance.retention import policy_from_json
 
         text = self.catalog.run_policy(run)
         return None if not text else policy_from_json(text)
@@ -422,9 +420,9 @@ class Store:
         ``policy`` replaces the stored policy of ``run`` (every run when ``run`` is None) for this
         call; without it each run's stored policy applies, and a run with none keeps everything.
         A run's latest checkpoint is never dropped. Safe while other processes commit and read;
-        see :mod:`ckstore.gc`. ``progress(phase, done, total)`` is called on long sweeps.
+        see :mod:`ckstore.maintenance.gc`. ``progress(phase, done, total)`` is called on long sweeps.
         """
-        from . import gc as _gc
+        from .maintenance import gc as _gc
 
         return _gc.collect(
             self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run,
@@ -456,8 +454,8 @@ class Store:
     ) -> FsckReport:
         """Check that every chunk a checkpoint references is stored (``deep``: and decodes to its
         digest); find orphan objects. ``repair`` removes only orphans and abandoned commits."""
-        from . import fsck as _fsck
-        from .gc import DEFAULT_GRACE
+        from .maintenance import fsck as _fsck
+        from .maintenance.gc import DEFAULT_GRACE
 
         return _fsck.check(
             self.catalog, self.blobs, deep=deep, repair=repair,
@@ -467,7 +465,7 @@ class Store:
     def du(self, run: str | None = None) -> DuReport:
         """Logical and stored bytes, dedup and compression ratios, and bytes each run and
         checkpoint alone holds, per run (and per checkpoint of ``run``, or of every run)."""
-        from . import du as _du
+        from .maintenance import du as _du
 
         return _du.usage(self.catalog, run)
 
@@ -483,137 +481,3 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
             raise StoreConfigError(f"metric {k!r} must be a number, got {type(v).__name__} {v!r}")
         out[k] = float(v)
     return out
-
-
-
-
-def _read_config(blobs: BlobStore) -> StoreConfig | None:
-    try:
-        data = blobs.read(CONFIG_KEY)
-    except BlobNotFoundError:
-        return None
-    return StoreConfig.from_bytes(data, blobs.url)
-
-
-def _catalog_url(location: str, blobs: BlobStore, config: StoreConfig, catalog: str | None) -> str:
-    if catalog:
-        return expand(catalog)
-    if config.catalog:
-        return expand(config.catalog)
-    if not blobs.is_local:
-        raise StoreConfigError(
-            f"store {location} has no catalog URL recorded; an object-store location needs a shared "
-            f"catalog, e.g. `ckstore init {location} --catalog postgresql+psycopg://HOST/DB`"
-        )
-    return f"sqlite:///{os.path.join(getattr(blobs, 'root'), 'catalog.db')}"
-
-
-def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
-    location: str | os.PathLike[str],
-    *,
-    catalog: str | None = None,
-    run: str | None = None,
-    create: bool = True,
-    workers: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    **settings: Any,
-) -> Store:
-    """Open (or create) the store at ``location``: a local path or any fsspec URL.
-
-    ``catalog`` is an SQLAlchemy URL; a local store defaults to SQLite inside its folder, and a
-    store remembers the catalog it was created with (an object-store location needs one, e.g.
-    PostgreSQL). ``storage_options`` go to fsspec (endpoint, credentials, botocore
-    ``config_kwargs``); they are never written anywhere. ``settings`` (``chunk_size``,
-    ``pack_size``, ``compression_level``, ``lease_seconds``) apply when the store is created.
-    """
-    return _open(os.fspath(location), catalog, run, create, False, workers, storage_options, settings)
-
-
-def _open(
-    loc: str,
-    catalog: str | None,
-    run: str | None,
-    create: bool,
-    exclusive: bool,
-    workers: int | None,
-    storage_options: Mapping[str, Any] | None,
-    settings: Mapping[str, Any],
-) -> Store:
-    blobs = open_blobstore(loc, **dict(storage_options or {}))
-    hint = f"ckstore --store {loc} db upgrade"
-    config = _read_config(blobs)
-    if config is not None:
-        if exclusive:
-            raise AlreadyExistsError(f"a ckstore store already exists at {loc}")
-        _check_settings(loc, config, settings)
-        return Store(loc, blobs, Catalog(_catalog_url(loc, blobs, config, catalog), upgrade_hint=hint), config, run=run, workers=workers)
-    if not create:
-        raise StoreConfigError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
-    if catalog:
-        check_no_secret(catalog)
-    if not blobs.is_local and not catalog:
-        raise StoreConfigError(
-            f"an object-store location needs a shared catalog: ckstore.open({loc!r}, "
-            "catalog='postgresql+psycopg://HOST/DB')"
-        )
-    new = StoreConfig.new(catalog=catalog, **settings)
-    cat = Catalog(_catalog_url(loc, blobs, new, catalog), upgrade_hint=hint)
-    try:
-        config = _create_config(loc, blobs, cat, new, settings, exclusive)
-    except BaseException:
-        cat.close()
-        raise
-    return Store(loc, blobs, cat, config, run=run, workers=workers)
-
-
-def _check_settings(loc: str, config: StoreConfig, settings: Mapping[str, Any]) -> None:
-    changed = {k: v for k, v in settings.items() if v is not None and getattr(config, k, v) != v}
-    if changed:
-        raise StoreConfigError(
-            f"store {loc} was created with {', '.join(f'{k}={getattr(config, k)!r}' for k in changed)}; "
-            "these settings are fixed when a store is created"
-        )
-
-
-def _create_config(
-    loc: str, blobs: BlobStore, cat: Catalog, new: StoreConfig, settings: Mapping[str, Any], exclusive: bool
-) -> StoreConfig:
-    """Write a new store's config, exclusively: when another process created the store first,
-    its config wins (and must agree with ``settings``), or ``init`` fails."""
-
-    def raced() -> StoreConfig | None:
-        other = _read_config(blobs)
-        if other is not None:
-            if exclusive:
-                raise AlreadyExistsError(f"a ckstore store already exists at {loc}")
-            _check_settings(loc, other, settings)
-        return other
-
-    if new.catalog and not cat.is_empty():
-        other = raced()
-        if other is not None:
-            return other
-        raise StoreConfigError(
-            f"catalog {redact(cat.url)} already records another store's checkpoints; every store needs a "
-            "catalog of its own (a new database, or a PostgreSQL schema via "
-            "?options=-csearch_path%3DNAME)"
-        )
-    try:
-        blobs.put(CONFIG_KEY, new.to_bytes(), exclusive=True)
-        return new
-    except BlobExistsError:
-        other = raced()
-        if other is None:  # pragma: no cover - the winner's object vanished again
-            raise
-        return other
-
-
-def init(
-    location: str | os.PathLike[str],
-    *,
-    catalog: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    **settings: Any,
-) -> Store:
-    """Create a store (an error if one exists at ``location``)."""
-    return _open(os.fspath(location), catalog, None, True, True, None, storage_options, settings)

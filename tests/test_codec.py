@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import ALL_DTYPES, random_tensor
 
-from ckstore import codec
 from ckstore.errors import IntegrityError
+from ckstore.format import codec
 
 
 def _roundtrip(raw: np.ndarray, itemsize: int) -> codec.Frame:

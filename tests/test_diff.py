@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckstore
-from ckstore.diff import module_of
+from ckstore.diff import _leaves, module_of
 from ckstore.errors import NotFoundError, StoreConfigError
 
 VOCAB, DIM = 1024, 256  # a 1 MiB fp32 embedding: 16 chunks of 64 KiB
@@ -384,7 +384,6 @@ def test_shared_chunks_of_a_changed_tensor_are_read_once(store: ckstore.Store) -
 def test_windows_stream_a_tensor_in_blocks_of_rows(
     store: ckstore.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckstore import _diffleaves
 
     a = torch.randn(600, 100)  # 4 chunks; windows of one chunk's worth of rows: 163 rows
     b = a * 1.1
@@ -399,10 +398,10 @@ def test_windows_stream_a_tensor_in_blocks_of_rows(
     )
     whole = store.diff("s@1", "s@2").tensors[0].stats
     windows: list[Any] = []
-    real = _diffleaves._windows
-    monkeypatch.setattr(_diffleaves, "_WINDOW_ELEMS", 1)
+    real = _leaves._windows
+    monkeypatch.setattr(_leaves, "_WINDOW_ELEMS", 1)
     monkeypatch.setattr(
-        _diffleaves,
+        _leaves,
         "_windows",
         lambda shape, elems: windows.extend(real(shape, elems)) or real(shape, elems),
     )

@@ -23,7 +23,7 @@ from helpers import bits, expected_piece
 
 import ckstore
 from ckstore import WorldLayout
-from ckstore.integrations.distributed import _packs_needed, assign_writers, failure_message
+from ckstore.commit.collective import _packs_needed, assign_writers, failure_message
 
 pytestmark = pytest.mark.distributed
 
@@ -186,8 +186,8 @@ def test_failure_message_names_every_failing_rank_once() -> None:
 
 def test_pack_slots_bound_what_a_pack_writer_uses(tmp_path: Path) -> None:
     from ckstore.blobstore import LocalBlobStore
-    from ckstore.codec import encode
-    from ckstore.pack import PackWriter
+    from ckstore.format.codec import encode
+    from ckstore.format.pack import PackWriter
 
     blobs = LocalBlobStore(tmp_path, fsync=False)
     for count, size, pack in [(1, 4096, 4096), (37, 4096, 4096 * 5), (64, 65536, 1 << 20), (10, 100, 1000)]:

@@ -18,8 +18,8 @@ from sqlalchemy import delete, select
 import ckstore
 from ckstore.catalog import Owner
 from ckstore.cli import main
-from ckstore.gc import K, R, catalog_write
 from ckstore.layout import WorldLayout
+from ckstore.maintenance.gc import K, R, catalog_write
 
 SHARED = torch.arange(100_000, dtype=torch.float32)
 

@@ -18,8 +18,8 @@ from sqlalchemy import select, update
 
 import ckstore
 from ckstore.catalog import Owner, utcnow
-from ckstore.gc import RUNS, TRASH, C, K, R, catalog_write, sweep
 from ckstore.layout import WorldLayout
+from ckstore.maintenance.gc import RUNS, TRASH, C, K, R, catalog_write, sweep
 from ckstore.retention import BestN, KeepAll, LatestN, Tagged
 
 SHARED = torch.arange(200_000, dtype=torch.float32)  # in every checkpoint: its chunks dedup

@@ -17,12 +17,17 @@ from hypothesis import strategies as st
 
 import ckstore
 from ckstore import LayoutError, Shard, WorldLayout
-from ckstore._commit import build_manifests, prepare_entries, resolve_entry_shards, stage_and_hash
+from ckstore.checkout.readplan import ReadPlan, touches_box
+from ckstore.checkout.reshard import PieceInfo, plan_checkout, resolve_shards, target_box
+from ckstore.commit._stage import (
+    build_manifests,
+    prepare_entries,
+    resolve_entry_shards,
+    stage_and_hash,
+)
+from ckstore.format.manifest import Manifest, ShardSpec
+from ckstore.format.tensorio import dtype_from_name, itemsize, unflatten
 from ckstore.layout import chunk_range
-from ckstore.manifest import Manifest, ShardSpec
-from ckstore.readplan import ReadPlan, touches_box
-from ckstore.reshard import PieceInfo, plan_checkout, resolve_shards, target_box
-from ckstore.tensorio import dtype_from_name, itemsize, unflatten
 
 POOL = ThreadPoolExecutor(2)
 

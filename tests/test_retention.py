@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from ckstore.errors import PolicyError
-from ckstore.gc import Candidate
+from ckstore.maintenance.gc import Candidate
 from ckstore.retention import (
     AnyOf,
     BestN,

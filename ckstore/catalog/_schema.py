@@ -43,7 +43,7 @@ class Run(Base):
     # (no foreign key: the parent may be deleted while its ref stays as history)
     parent_checkpoint_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     parent_ref: Mapped[str | None] = mapped_column(String(512), nullable=True)
-    # retention policy as JSON (see ckstore.retention)
+    # retention policy as JSON (see ckstore.maintenance.retention)
     policy: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 

@@ -155,7 +155,7 @@ def log(obj: Ctx, run: str | None, as_json: bool, limit: int | None, changes: bo
 @handle_errors
 def show(obj: Ctx, ref: str, ranks: tuple[int, ...], as_json: bool) -> None:
     """The key tree of checkpoint REF: shapes, dtypes, sizes, sharding."""
-    from ..tensorio import iter_tensor_paths
+    from ..format.tensorio import iter_tensor_paths
 
     store = obj.open()
     ckpt = store.resolve(ref)
@@ -232,14 +232,14 @@ def _unchecked_catalog(obj: Ctx) -> Any:
     """The store's catalog, opened without the schema check (which would refuse an old one)."""
     from ..blobstore import open_blobstore
     from ..catalog import Catalog
-    from ..store import _catalog_url, _read_config
+    from ..opening import catalog_url, read_config
 
     loc = obj.require_location()
     blobs = open_blobstore(loc)
-    cfg = _read_config(blobs)
+    cfg = read_config(blobs)
     if cfg is None:
         raise click.UsageError(f"no ckstore store at {loc}")
-    return Catalog(_catalog_url(loc, blobs, cfg, obj.catalog), check=False)
+    return Catalog(catalog_url(loc, blobs, cfg, obj.catalog), check=False)
 
 
 @db.command()

@@ -23,7 +23,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     import torch
 
     import ckstore
-    from ckstore.demo import DemoConfig, Trainer, train
+    from ckstore.cli.demo_train import DemoConfig, Trainer, train
     from ckstore.retention import BestN, ByKind, KeepAll, LatestN
 
     from ._core import log_table

@@ -43,7 +43,7 @@ def rule_options(fn: F) -> F:
 
 def _policy(keep_last: int | None, keep_best: Sequence[str], keep_every: int | None, keep_within: str | None,
             keep_tagged: bool, keep_kind: Sequence[str]) -> Any:  # fmt: skip
-    from ..retention import policy_from_flags
+    from ..maintenance.retention import policy_from_flags
 
     return policy_from_flags(
         keep_last=keep_last, keep_best=keep_best, keep_every=keep_every, keep_within=keep_within,
@@ -52,7 +52,7 @@ def _policy(keep_last: int | None, keep_best: Sequence[str], keep_every: int | N
 
 
 def _grace(value: str | None) -> float | None:
-    from ..retention import parse_duration
+    from ..maintenance.retention import parse_duration
 
     return None if value is None else parse_duration(value)
 
@@ -369,7 +369,7 @@ def _usage_table(title: str, rows: Sequence[Any], total: Any) -> Table:
 @handle_errors
 def rm(obj: Ctx, ref: str, force: bool, sweep: bool, grace: str | None) -> None:
     """Delete checkpoint REF from the catalog (a tagged one only with --force)."""
-    from ..retention import KeepAll
+    from ..maintenance.retention import KeepAll
 
     store = obj.open()
     ckpt = store.delete(ref, force=force)

@@ -23,7 +23,7 @@ from sqlalchemy import select, text
 
 import ckstore
 from ckstore.catalog import TABLES
-from ckstore.manifest import Manifest
+from ckstore.format.manifest import Manifest
 
 CHUNK = 16 * 1024
 PACK = 64 * 1024

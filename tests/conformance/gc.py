@@ -25,9 +25,9 @@ from sqlalchemy import and_, exists, func, select, update
 import ckstore
 from ckstore.catalog import Owner, utcnow
 from ckstore.catalog._schema import PENDING
-from ckstore.gc import TRASH, C, K, P, R, catalog_read, catalog_write, sweep
+from ckstore.format.pack import PACK_HEADER, new_pack_key
 from ckstore.layout import WorldLayout
-from ckstore.pack import PACK_HEADER, new_pack_key
+from ckstore.maintenance.gc import TRASH, C, K, P, R, catalog_read, catalog_write, sweep
 from ckstore.retention import BestN, ByKind, EveryNSteps, KeepAll, LatestN, Tagged, Within
 
 from .catalog import StoreSpec, assert_consistent

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import IntegrityError, UnsupportedValueError
-from .layout import Shard
+from ..errors import IntegrityError, UnsupportedValueError
+from ..layout import Shard
 
 __all__ = [
     "Leaf",

@@ -29,10 +29,10 @@ from typing import Any
 
 from sqlalchemy import Connection, DateTime, Table, and_, delete, exists, func, literal, or_, select
 
-from .blobstore import BlobStore
-from .catalog import TABLES, Catalog, Owner, utcnow
-from .catalog._schema import COMMITTED, PENDING
-from .errors import NotFoundError, PolicyError
+from ..blobstore import BlobStore
+from ..catalog import TABLES, Catalog, Owner, utcnow
+from ..catalog._schema import COMMITTED, PENDING
+from ..errors import NotFoundError, PolicyError
 from .retention import KeepAll, Policy, policy_from_json
 
 __all__ = [
@@ -444,7 +444,7 @@ def collect(
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
         raise PolicyError(f"grace must be a number of seconds >= 0, got {grace!r}")
     if policy is not None and not isinstance(policy, Policy):
-        raise PolicyError(f"policy must be a ckstore.retention.Policy, got {type(policy).__name__}")
+        raise PolicyError(f"policy must be a ckstore.maintenance.retention.Policy, got {type(policy).__name__}")
     t0 = time.perf_counter()
     now = utcnow()
     cutoff = time.time() - grace

@@ -1,4 +1,4 @@
-"""The checkout executor: runs a :class:`~ckstore.readplan.ReadPlan` against the blob store.
+"""The checkout executor: runs a :class:`~ckstore.checkout.readplan.ReadPlan` against the blob store.
 
 Chunks are fetched with coalesced range reads (one request for neighbouring chunks of a pack),
 in parallel threads; zstd and xxhash release the GIL. Each chunk is decoded straight into the
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import codec, hashing
-from .blobstore import BlobNotFoundError, BlobStore
-from .catalog import ChunkLocation
-from .errors import BlobStoreError, ChunkNotFoundError, IntegrityError
+from ..blobstore import BlobNotFoundError, BlobStore
+from ..catalog import ChunkLocation
+from ..errors import BlobStoreError, ChunkNotFoundError, IntegrityError
+from ..format import codec, hashing
+from ..format.tensorio import byte_view, dtype_from_name, empty_tensor
 from .readplan import ChunkCopy, ReadPlan
-from .tensorio import byte_view, dtype_from_name, empty_tensor
 
 __all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX"]
 

@@ -1,6 +1,6 @@
 """The commit pipeline: flatten → stage tensor bytes → hash chunks → claim → write packs →
 manifests. The catalog protocol around it lives in :mod:`ckstore.store` (one process) and
-:mod:`ckstore.integrations.distributed` (a collective commit)."""
+:mod:`ckstore.commit.collective` (a collective commit)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codec, hashing
-from .catalog import Catalog, Owner
-from .errors import CommitAbandonedError, UnsupportedValueError
-from .layout import WorldLayout
-from .manifest import Manifest, ShardSpec, TensorRecord
-from .pack import PackedChunk, PackWriter
-from .reshard import PieceInfo, resolve_shards
-from .tensorio import Leaf, dtype_name, flatten, format_path, itemsize, stage_tensors
+from ..catalog import Catalog, Owner
+from ..checkout.reshard import PieceInfo, resolve_shards
+from ..errors import CommitAbandonedError, UnsupportedValueError
+from ..format import codec, hashing
+from ..format.manifest import Manifest, ShardSpec, TensorRecord
+from ..format.pack import PackedChunk, PackWriter
+from ..format.tensorio import Leaf, dtype_name, flatten, format_path, itemsize, stage_tensors
+from ..layout import WorldLayout
 
 __all__ = [
     "PreparedEntry",
@@ -224,8 +224,8 @@ def catalog_pack_callbacks(
     catalog: Catalog, ckpt_id: int, owner: Owner, added: list[int]
 ) -> tuple[Callable[[], tuple[str, Any]], Callable[[Any, int, list[PackedChunk]], None]]:
     """PackWriter callbacks that record each pack in the catalog before and after writing it."""
-    from .catalog import NewChunk
-    from .pack import new_pack_key
+    from ..catalog import NewChunk
+    from ..format.pack import new_pack_key
 
     def on_open() -> tuple[str, Any]:
         key = new_pack_key()

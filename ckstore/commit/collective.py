@@ -33,15 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .. import _commit
 from ..catalog import NewChunk, Owner
-from ..codec import HEADER_SIZE
+from ..checkout.reshard import resolve_shards
 from ..errors import CkstoreError, DistributedCommitError, LayoutError, UnsupportedValueError
+from ..format.codec import HEADER_SIZE
+from ..format.manifest import ShardSpec
+from ..format.pack import PACK_HEADER, PackedChunk, PackWriter, new_pack_key
 from ..layout import WorldLayout
-from ..manifest import ShardSpec
-from ..pack import PACK_HEADER, PackedChunk, PackWriter, new_pack_key
 from ..records import Checkpoint
-from ..reshard import resolve_shards
+from . import _stage
 from .dtensor import DTensorLeaves, default_layout
 
 if TYPE_CHECKING:
@@ -336,9 +336,9 @@ class _CommitJob:
         self.owner = Owner.me()
         self.ckpt_id: int | None = None  # rank 0: the pending checkpoint
         self.pool: ThreadPoolExecutor | None = None
-        self.entries: list[_commit.PreparedEntry] = []
+        self.entries: list[_stage.PreparedEntry] = []
         self.specs: Mapping[tuple[int, str, str], ShardSpec] = {}
-        self.staged: list[_commit.StagedTensor] = []
+        self.staged: list[_stage.StagedTensor] = []
         self.held: dict[bytes, int] = {}  # raw size of every distinct chunk this rank holds
         self.metrics: dict[str, float] = {}
         self.holdings: list[list[tuple[bytes, int]]] | None = None  # rank 0: what every rank holds
@@ -373,7 +373,7 @@ class _CommitJob:
         def local() -> tuple[Any, ...]:
             run_name, self.metrics = store._check_commit(self.step, metrics, tags, kind, self.run)
             hook = DTensorLeaves()
-            self.entries = _commit.prepare_entries(rank_states, allow_pickle=allow_pickle, tensor_hook=hook)
+            self.entries = _stage.prepare_entries(rank_states, allow_pickle=allow_pickle, tensor_hook=hook)
             ranks = sorted({e.rank for e in self.entries})
             if ranks != [c.rank]:
                 raise UnsupportedValueError(
@@ -391,9 +391,9 @@ class _CommitJob:
                     lease_seconds=self.cfg.lease_seconds, parent_checkpoint_id=store._parent_id(parent, run_name),
                 )  # fmt: skip
                 stack.enter_context(
-                    _commit.Heartbeat(store.catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
+                    _stage.Heartbeat(store.catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
                 )
-            return run_name, self.step, layout.to_json(), _commit.piece_infos(self.entries)
+            return run_name, self.step, layout.to_json(), _stage.piece_infos(self.entries)
 
         declared = c.all_gather("declaring shards", c.attempt(local))
         first = declared[0]
@@ -413,7 +413,7 @@ class _CommitJob:
 
         def local() -> tuple[bytes, list[int]]:
             assert self.pool is not None
-            self.staged = _commit.stage_and_hash(self.entries, self.specs, cs, self.pool)
+            self.staged = _stage.stage_and_hash(self.entries, self.specs, cs, self.pool)
             for st in self.staged:
                 for i, d in enumerate(st.digests):
                     self.held.setdefault(d, st.chunk(i, cs).nbytes)
@@ -481,11 +481,11 @@ class _CommitJob:
                     self.progress(done[0], total)
 
             writer = PackWriter(store.blobs, cfg.pack_size, on_open, on_close)
-            _commit.write_missing(
+            _stage.write_missing(
                 self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
                 level=cfg.compression_level, window=2 * store.workers, progress=tick,
             )  # fmt: skip
-            return packs, _commit.build_manifests(self.entries, self.staged, cfg.chunk_size)
+            return packs, _stage.build_manifests(self.entries, self.staged, cfg.chunk_size)
 
         self.results = self.c.gather("writing chunks", self.c.attempt(local))
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .tensorio import byte_view
+from ..format.tensorio import byte_view
 
 __all__ = ["Accumulator"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import AlreadyExistsError, CheckpointNotFoundError, NotFoundError
-from .records import Checkpoint
-from .refs import check_name
+from ..errors import AlreadyExistsError, CheckpointNotFoundError, NotFoundError
+from ..records import Checkpoint
+from ..refs import check_name
 
 __all__ = ["Ancestor", "resolve_ref_or_run", "fork", "lineage", "commit_parent"]
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from .errors import BlobStoreError, CkstoreError
+from ..errors import BlobStoreError, CkstoreError
 
 __all__ = ["retry", "is_transient"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from .errors import IntegrityError
+from ..errors import IntegrityError
 
 __all__ = ["CODEC_RAW", "CODEC_ZSTD", "CODEC_PLANES", "Frame", "encode", "decode_into", "HEADER_SIZE"]
 

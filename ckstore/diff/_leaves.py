@@ -15,12 +15,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._checkout import execute_plan
-from ._diffstats import Accumulator
-from .manifest import Manifest
-from .records import Checkpoint
-from .reshard import StoredPiece, plan_boxes
-from .tensorio import dtype_from_name, format_path, itemsize
+from ..checkout.executor import execute_plan
+from ..checkout.reshard import StoredPiece, plan_boxes
+from ..format.manifest import Manifest
+from ..format.tensorio import dtype_from_name, format_path, itemsize
+from ..records import Checkpoint
+from ._stats import Accumulator
 
 __all__ = ["TensorLeaf", "ValueLeaf", "Leaf", "Side", "read_side", "pairs", "decode", "Reader"]
 

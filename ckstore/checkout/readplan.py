@@ -1,7 +1,7 @@
 """The read plan: frozen data saying which bytes of which chunks land where.
 
-A :class:`ReadPlan` is what :func:`ckstore.reshard.plan_checkout` returns and what
-:func:`ckstore._checkout.execute_plan` runs. It holds no tensors and does no I/O, so tests can
+A :class:`ReadPlan` is what :func:`ckstore.checkout.reshard.plan_checkout` returns and what
+:func:`ckstore.checkout.executor.execute_plan` runs. It holds no tensors and does no I/O, so tests can
 inspect exactly what a checkout would fetch.
 
 * :class:`Buffer` s are the tensors the executor allocates: the tensors handed to the caller, and
@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .manifest import TensorRecord
+from ..format.manifest import TensorRecord
 
 __all__ = ["Box", "BoxCopy", "Buffer", "ChunkCopy", "PlanBuilder", "ReadPlan", "TargetEntry"]
 

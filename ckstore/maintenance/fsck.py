@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 from sqlalchemy import func, select
 
-from . import codec, hashing
-from .blobstore import BlobNotFoundError, BlobStore
-from .catalog import Catalog, utcnow
-from .catalog._schema import COMMITTED
-from .errors import BlobStoreError, IntegrityError
+from ..blobstore import BlobNotFoundError, BlobStore
+from ..catalog import Catalog, utcnow
+from ..catalog._schema import COMMITTED
+from ..errors import BlobStoreError, IntegrityError
+from ..format import codec, hashing
+from ..format.manifest import Manifest
 from .gc import (
     RUNS,
     TRASH,
@@ -47,7 +48,6 @@ from .gc import (
     remove_temp_files,
     stale_temp_files,
 )
-from .manifest import Manifest
 
 __all__ = ["Damage", "FsckReport", "PendingCommit", "check"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import zstandard
 
-from .errors import IntegrityError
+from ..errors import IntegrityError
 
 __all__ = ["ShardSpec", "TensorRecord", "Manifest", "MANIFEST_VERSION"]
 

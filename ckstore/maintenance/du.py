@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select, text
 
-from .catalog import Catalog
-from .catalog._schema import COMMITTED
-from .errors import NotFoundError
+from ..catalog import Catalog
+from ..catalog._schema import COMMITTED
+from ..errors import NotFoundError
 from .gc import RUNS, C, K, P, R, catalog_read
 
 __all__ = ["DuReport", "Usage", "usage"]

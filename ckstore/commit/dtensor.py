@@ -13,17 +13,17 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..checkout.reshard import target_box
 from ..errors import UnsupportedValueError
+from ..format.manifest import ShardSpec
+from ..format.tensorio import Leaf
 from ..layout import Shard, WorldLayout
-from ..manifest import ShardSpec
-from ..reshard import target_box
-from ..tensorio import Leaf
 
 __all__ = ["DTensorLeaves", "default_layout"]
 
 
 class DTensorLeaves:
-    """A ``tensor_hook`` for :func:`ckstore.tensorio.flatten` that understands DTensors.
+    """A ``tensor_hook`` for :func:`ckstore.format.tensorio.flatten` that understands DTensors.
 
     It remembers each device mesh it met (names and sizes), so a commit without an explicit
     world layout can take the mesh's.

@@ -5,7 +5,7 @@ Two pure functions, no I/O:
 * :func:`resolve_shards` turns ``Shard`` declarations of every rank into :class:`ShardSpec` s
   (global shape and offsets), deriving even splits from the pieces' shapes.
 * :func:`plan_checkout` turns stored manifests and a target world layout into a frozen
-  :class:`~ckstore.readplan.ReadPlan`: which byte ranges of which chunks land where in which
+  :class:`~ckstore.checkout.readplan.ReadPlan`: which byte ranges of which chunks land where in which
   target tensor.
 
 A target rank's piece of a tensor split over mesh dim ``m`` along tensor dim ``d`` is
@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import LayoutError
-from .layout import WorldLayout, chunk_range
-from .manifest import Manifest, ShardSpec, TensorRecord
+from ..errors import LayoutError
+from ..format.manifest import Manifest, ShardSpec, TensorRecord
+from ..layout import WorldLayout, chunk_range
 from .readplan import Box, BoxCopy, Buffer, ChunkCopy, PlanBuilder, ReadPlan, TargetEntry
 
 __all__ = [

@@ -7,7 +7,7 @@ dropped it lands in a new pack, so a commit and a concurrent gc never race on on
 Pack bytes::
 
     "CKPK" u8 version=1 u8[3] zero          header, 8 bytes
-    frame*                                   chunk frames (see ckstore.codec)
+    frame*                                   chunk frames (see ckstore.format.codec)
     index                                    32 bytes a chunk: digest[16] u64 offset u32 length u32 raw_len
     u32 chunk_count  "CKPI"                  footer, 8 bytes
 
@@ -26,9 +26,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from .blobstore import BlobStore
+from ..blobstore import BlobStore
+from ..errors import IntegrityError
 from .codec import Frame
-from .errors import IntegrityError
 
 __all__ = ["PackWriter", "PackedChunk", "new_pack_key", "read_index", "PACK_HEADER"]
 

@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._diffleaves import Leaf, Reader, Side, TensorLeaf, ValueLeaf, decode, pairs, read_side
-from ._diffstats import Accumulator
-from .errors import CheckpointNotFoundError, NotFoundError, StoreConfigError
-from .records import Checkpoint
+from ..errors import CheckpointNotFoundError, NotFoundError, StoreConfigError
+from ..records import Checkpoint
+from ._leaves import Leaf, Reader, Side, TensorLeaf, ValueLeaf, decode, pairs, read_side
+from ._stats import Accumulator
 
 __all__ = [
     "LeafInfo",

@@ -1,0 +1,202 @@
+"""The blob store: immutable bytes under opaque keys, on any fsspec file system.
+
+The blob store knows nothing of tensors, chunks or the catalog. Keys are ``/``-separated
+ASCII paths relative to the store's root (``packs/3f/3fa9…``).
+
+Contract for every implementation
+---------------------------------
+* :meth:`BlobStore.writer` makes an object visible atomically when its ``with`` block ends
+  without error: a reader sees the whole object or nothing, never a prefix. On a local disk the
+  bytes are durable (fsynced, directory entry included) before the block ends. When the block
+  raises, nothing is left visible.
+* Writing a key that already exists with the same bytes is harmless; ckstore never writes
+  different bytes under one key.
+* :meth:`BlobStore.put` with ``exclusive=True`` creates the object only if the key is free and
+  raises :class:`BlobExistsError` otherwise (a link on a local disk, a conditional put
+  ``If-None-Match: *`` on S3). Stores use it for their config object, so two processes creating
+  one store at once agree on its settings.
+* :meth:`BlobStore.read` returns exactly the bytes asked for or raises
+  :class:`BlobNotFoundError` / :class:`~ckstore.errors.BlobStoreError`.
+* :meth:`BlobStore.delete` ignores keys that are already gone.
+* Every method may be called from many threads at once.
+* A backend that talks to a server never waits forever: requests time out, transient failures
+  (connection refused or reset, timeouts, throttling, 5xx answers) are retried a bounded number
+  of times with exponential backoff, and then surface as :class:`~ckstore.errors.BlobStoreError`
+  naming the object and the store.
+
+Only garbage collection deletes. Subclasses implement the underscored methods; the public
+methods count requests and bytes in :attr:`BlobStore.stats` so tests and benchmarks can see
+exactly what a checkout read.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ..errors import BlobStoreError
+
+__all__ = ["BlobNotFoundError", "BlobExistsError", "BlobInfo", "BlobStats", "BlobStore", "check_key"]
+
+
+
+class BlobNotFoundError(BlobStoreError, FileNotFoundError):
+    """No object under that key."""
+
+
+class BlobExistsError(BlobStoreError, FileExistsError):
+    """An exclusive put found its key already taken."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    key: str
+    size: int
+    mtime: float | None  # seconds since the epoch, when the backend reports it
+
+
+class BlobStats:
+    """Counters of the requests a blob store served (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.reads = 0
+            self.bytes_read = 0
+            self.writes = 0
+            self.bytes_written = 0
+            self.deletes = 0
+            self.lists = 0
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "reads": self.reads,
+                "bytes_read": self.bytes_read,
+                "writes": self.writes,
+                "bytes_written": self.bytes_written,
+                "deletes": self.deletes,
+                "lists": self.lists,
+            }
+
+
+class _CountingWriter:
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.written = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = self._f.write(data)
+        m = memoryview(data).nbytes
+        self.written += m
+        return n if n is not None else m
+
+
+class BlobStore(ABC):
+    """Immutable objects under opaque keys. See the module docstring for the contract."""
+
+    #: True when objects live on a local (or locally mounted) file system.
+    is_local: bool = False
+    #: How many objects a commit may have uploading at once (each fully written by one thread).
+    write_concurrency: int = 1
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stats = BlobStats()
+
+    # -- public, counted -------------------------------------------------------------
+    @contextmanager
+    def writer(self, key: str) -> Iterator[_CountingWriter]:
+        """A file-like object to write ``key``; the object appears when the block ends."""
+        with self._writer(key) as f:
+            w = _CountingWriter(f)
+            yield w
+        self.stats.add(writes=1, bytes_written=w.written)
+
+    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
+        """Write a whole object; with ``exclusive`` only if ``key`` is free (else
+        :class:`BlobExistsError`)."""
+        if not exclusive:
+            with self.writer(key) as w:
+                w.write(data)
+            return
+        view = memoryview(data)
+        self._put_exclusive(key, view)
+        self.stats.add(writes=1, bytes_written=view.nbytes)
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` (to the end when ``end`` is None)."""
+        data = self._read(key, start, end)
+        self.stats.add(reads=1, bytes_read=len(data))
+        return data
+
+    def delete(self, keys: Iterable[str]) -> int:
+        """Delete ``keys``; returns how many were asked for. Missing keys are ignored."""
+        keys = list(keys)
+        if keys:
+            self._delete(keys)
+            self.stats.add(deletes=len(keys))
+        return len(keys)
+
+    def list(self, prefix: str = "") -> Iterator[BlobInfo]:
+        """Every object whose key starts with ``prefix`` (a folder-like prefix ending in ``/``)."""
+        self.stats.add(lists=1)
+        return self._list(prefix)
+
+    def exists(self, key: str) -> bool:
+        return self._exists(key)
+
+    # -- for implementers ------------------------------------------------------------
+    @abstractmethod
+    def _writer(self, key: str) -> Any:  # a context manager yielding a binary file
+        ...
+
+    @abstractmethod
+    def _read(self, key: str, start: int, end: int | None) -> bytes: ...
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterator[BlobInfo]: ...
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _put_exclusive(self, key: str, data: memoryview) -> None: ...
+
+    def stale_temp_files(self, older_than: float) -> Sequence[str]:
+        """Leftovers of writes that never finished (a killed process), started before
+        ``older_than`` (seconds since the epoch): temp files of a local folder, unfinished
+        multipart uploads of an object store. The handles are for :meth:`discard_temp_files`."""
+        return []
+
+    def discard_temp_files(self, handles: Sequence[str]) -> int:
+        """Remove leftovers :meth:`stale_temp_files` found; returns how many were removed."""
+        return 0
+
+    def temp_file_key(self, handle: str) -> str | None:
+        """The key a leftover was being written to, where the backend knows it (else None)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def check_key(key: str) -> None:
+    if not key or key.startswith("/") or ".." in key.split("/") or "\\" in key:
+        raise BlobStoreError(f"invalid blob key {key!r}")
+

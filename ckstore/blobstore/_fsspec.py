@@ -1,0 +1,273 @@
+"""Objects on any fsspec file system: S3, GCS, memory, …"""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from ..errors import BlobStoreError, StoreConfigError
+from ._base import BlobExistsError, BlobInfo, BlobNotFoundError, BlobStore, check_key
+from ._retry import retry
+
+__all__ = ["FsspecBlobStore", "S3_CONFIG_DEFAULTS"]
+
+T = TypeVar("T")
+
+
+#: botocore settings every S3 store starts from; ``storage_options={"config_kwargs": {...}}``
+#: overrides any of them. botocore does not retry on its own: ckstore's retry loop does (see
+#: :mod:`ckstore.blobstore._retry`), so a dead endpoint fails after a known number of bounded attempts.
+S3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 30,
+    "retries": {"total_max_attempts": 1},
+    "max_pool_connections": 32,
+}
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
+
+
+def _with_defaults(protocol: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(storage_options)
+    if protocol == "memory":
+        return opts
+    # another process may have written or deleted objects: never answer from a stale listing
+    opts.setdefault("use_listings_cache", False)
+    if protocol in ("s3", "s3a"):
+        # a deep copy: botocore edits the retries dict it is given
+        opts["config_kwargs"] = copy.deepcopy({**S3_CONFIG_DEFAULTS, **(opts.get("config_kwargs") or {})})
+        # a private client, whose own retry count ckstore sets (see FsspecBlobStore.__init__)
+        opts.setdefault("skip_instance_cache", True)
+    return opts
+
+
+class _ObjectWriter:
+    """One new object: bytes are buffered and put in one request; past ``limit`` bytes they
+    stream into an upload (S3 multipart) that becomes visible only when completed."""
+
+    def __init__(self, store: FsspecBlobStore, key: str, path: str, limit: int | None) -> None:
+        self._store, self._key, self._path, self._limit = store, key, path, limit
+        self._buf: io.BytesIO | None = io.BytesIO()
+        self._f: Any = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        if self._buf is None:
+            return self._stream(data)
+        n = self._buf.write(data)
+        if self._limit is not None and self._buf.tell() > self._limit:
+            buf, self._buf = self._buf, None
+            try:
+                self._f = self._store.fs.open(self._path, "wb", autocommit=False)
+            except Exception as e:  # noqa: BLE001
+                raise self._store._error(f"opening an upload of {self._key!r}", e) from e
+            self._stream(buf.getbuffer())
+        return n
+
+    def _stream(self, data: bytes | memoryview) -> int:
+        try:
+            return int(self._f.write(data))
+        except Exception as e:  # noqa: BLE001 - a part upload failed after the backend's retries
+            raise self._store._error(f"uploading {self._key!r}", e) from e
+
+    def finish(self) -> None:
+        store = self._store
+        if self._buf is not None:
+            data = self._buf.getvalue()
+            store._call(f"writing {self._key!r}", lambda: store.fs.pipe_file(self._path, data), self._key)
+            return
+        try:
+            self._f.close()  # uploads the last part; the object is not visible yet
+        except Exception as e:  # noqa: BLE001
+            raise store._error(f"uploading {self._key!r}", e) from e
+        store._call(f"completing the upload of {self._key!r}", self._f.commit, self._key)
+
+    def discard(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.discard()
+            except Exception:  # noqa: BLE001 - best effort; an unfinished upload is never visible
+                pass
+            self._f.closed = True  # discarded: closing it later must not upload the rest
+
+
+class FsspecBlobStore(BlobStore):
+    """Objects on any fsspec file system (``s3://``, ``gs://``, ``memory://``, …).
+
+    Object stores have no rename: an object is written with a single put, or (past
+    ``buffer_limit`` bytes) a multipart upload that becomes visible only when completed; an
+    exclusive put is a conditional write. Every request is retried ``attempts`` times at most
+    on transient failures, with exponential backoff. S3 requests time out (see
+    :data:`S3_CONFIG_DEFAULTS`). A commit uploads up to ``write_concurrency`` packs at once
+    (each buffered in memory up to ``buffer_limit`` bytes). ``attempts``, ``buffer_limit`` and
+    ``write_concurrency`` may be given among a store's ``storage_options``; the others go to
+    fsspec. Credentials and endpoints come from the environment
+    (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, …), fsspec's configuration or
+    ``storage_options``; ckstore never stores them.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        attempts: int = 4,
+        buffer_limit: int = 128 * 1024 * 1024,
+        write_concurrency: int = 3,
+        **storage_options: Any,
+    ) -> None:
+        import fsspec
+
+        super().__init__(url.rstrip("/"))
+        protocol = url.split("://", 1)[0]
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **_with_defaults(protocol, storage_options))
+        except ImportError as e:
+            raise StoreConfigError(f"cannot open {url}: {e} (pip install 'ckstore[{protocol}]')") from e
+        except (ValueError, TypeError) as e:
+            raise StoreConfigError(f"cannot open {url}: {e}") from e
+        if protocol in ("s3", "s3a"):
+            self.fs.retries = 1  # s3fs's own loop; ckstore's retry loop takes over
+        self.attempts = attempts
+        self.root = root.rstrip("/")
+        memory = "memory" in _protocols(self.fs)
+        self.buffer_limit: int | None = None if memory else buffer_limit
+        self.write_concurrency = 1 if memory else max(1, write_concurrency)
+
+    def _path(self, key: str) -> str:
+        check_key(key)
+        return f"{self.root}/{key}" if self.root else key
+
+    def _error(self, what: str, e: BaseException) -> BlobStoreError:
+        return BlobStoreError(f"{what} in {self.url} failed: {type(e).__name__}: {e}")
+
+    def _call(self, what: str, fn: Callable[[], T], key: str | None = None) -> T:
+        """``fn`` under the retry loop; a missing object or bucket becomes a clear error."""
+        try:
+            return retry(f"{what} in {self.url}", fn, attempts=self.attempts)
+        except FileNotFoundError as e:
+            if key is None:
+                raise
+            raise BlobNotFoundError(f"no object {key!r} in {self.url}") from e
+
+    @contextmanager
+    def _writer(self, key: str) -> Iterator[_ObjectWriter]:
+        w = _ObjectWriter(self, key, self._path(key), self.buffer_limit)
+        try:
+            yield w
+            w.finish()
+        except BlobNotFoundError as e:
+            w.discard()
+            raise BlobStoreError(
+                f"cannot write {key!r}: {self.url} does not exist (create the bucket first)"
+            ) from e
+        except BaseException:
+            w.discard()
+            raise
+
+    def _put_exclusive(self, key: str, data: memoryview) -> None:
+        path, body = self._path(key), bytes(data)
+        try:
+            self._call(f"creating {key!r}", lambda: self.fs.pipe_file(path, body, mode="create"), key)
+        except FileExistsError as e:
+            raise BlobExistsError(f"object {key!r} already exists in {self.url}") from e
+        except BlobNotFoundError as e:
+            raise BlobStoreError(
+                f"cannot write {key!r}: {self.url} does not exist (create the bucket first)"
+            ) from e
+
+    def _read(self, key: str, start: int, end: int | None) -> bytes:
+        path = self._path(key)
+        whole = start == 0 and end is None  # a plain GET: a range of an empty object is unsatisfiable
+        what = f"reading {key!r}" if whole else f"reading bytes [{start}, {end}) of {key!r}"
+        first = None if whole else start
+        data = self._call(what, lambda: bytes(self.fs.cat_file(path, start=first, end=end)), key)
+        if end is not None and len(data) != end - start:
+            raise BlobStoreError(
+                f"object {key!r} in {self.url} is shorter than expected: wanted bytes "
+                f"[{start}, {end}), got {len(data)}"
+            )
+        return data
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        paths = [self._path(k) for k in keys]
+        for i in range(0, len(paths), 1000):
+            batch = paths[i : i + 1000]
+
+            def go(batch: list[str] = batch) -> None:
+                try:
+                    self.fs.rm(batch)
+                except FileNotFoundError:
+                    for p in batch:
+                        try:
+                            self.fs.rm_file(p)
+                        except FileNotFoundError:
+                            pass
+
+            self._call(f"deleting {len(batch)} objects", go)
+
+    def _list(self, prefix: str) -> Iterator[BlobInfo]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        try:
+            found = self._call(f"listing {prefix or '/'}", lambda: self.fs.find(base, detail=True, withdirs=False))
+        except FileNotFoundError:
+            return
+        strip = len(self.root) + 1 if self.root else 0
+        for path, info in sorted(found.items()):
+            if info.get("type") == "directory":
+                continue
+            mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+            ts: float | None
+            if hasattr(mtime, "timestamp"):
+                ts = mtime.timestamp()
+            elif isinstance(mtime, (int, float)):
+                ts = float(mtime)
+            else:
+                ts = None
+            yield BlobInfo(path[strip:], int(info.get("size") or 0), ts)
+
+    def _exists(self, key: str) -> bool:
+        path = self._path(key)
+        return bool(self._call(f"checking {key!r}", lambda: self.fs.exists(path)))
+
+    def stale_temp_files(self, older_than: float) -> list[str]:
+        """Unfinished multipart uploads under this store's prefix (S3 only): what a commit killed
+        while uploading a large pack leaves behind, billed until aborted."""
+        lister = getattr(self.fs, "list_multipart_uploads", None)
+        if lister is None or not self.root:
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        uploads = self._call("listing unfinished uploads", lambda: lister(bucket))
+        out = []
+        for u in uploads or ():
+            key, started = str(u.get("Key", "")), u.get("Initiated")
+            when = started.timestamp() if hasattr(started, "timestamp") else None
+            if key.startswith(f"{prefix}/" if prefix else "") and when is not None and when < older_than:
+                out.append(f"{bucket}/{key}\n{u['UploadId']}")
+        return out
+
+    def temp_file_key(self, handle: str) -> str | None:
+        path = handle.partition("\n")[0]
+        prefix = f"{self.root}/"
+        return path[len(prefix) :] if path.startswith(prefix) else None
+
+    def discard_temp_files(self, handles: Sequence[str]) -> int:
+        n = 0
+        for h in handles:
+            path, _, upload_id = h.partition("\n")
+            bucket, _, key = path.partition("/")
+            try:
+                self._call(
+                    f"aborting the upload of {key!r}",
+                    lambda b=bucket, k=key, u=upload_id: self.fs.abort_mpu(b, k, u),  # type: ignore[misc]
+                )
+                n += 1
+            except BlobStoreError:
+                pass  # already completed or aborted
+        return n
+
+

@@ -1,0 +1,153 @@
+"""Opening and creating stores: where the catalog is, the store's recorded settings, and the
+race-free creation of a new store's config.
+
+    store = ckstore.open("ckpts", run="exp1")                      # a folder + SQLite inside it
+    store = ckstore.open("s3://bucket/ckpts", catalog="postgresql+psycopg://db/ckpts")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, open_blobstore
+from .catalog import Catalog
+from .catalog._engine import redact
+from .config import CONFIG_KEY, StoreConfig, check_no_secret, expand
+from .errors import AlreadyExistsError, StoreConfigError
+from .store import Store
+
+__all__ = ["open", "init", "read_config", "catalog_url"]
+
+
+def read_config(blobs: BlobStore) -> StoreConfig | None:
+    try:
+        data = blobs.read(CONFIG_KEY)
+    except BlobNotFoundError:
+        return None
+    return StoreConfig.from_bytes(data, blobs.url)
+
+
+def catalog_url(location: str, blobs: BlobStore, config: StoreConfig, catalog: str | None) -> str:
+    if catalog:
+        return expand(catalog)
+    if config.catalog:
+        return expand(config.catalog)
+    if not blobs.is_local:
+        raise StoreConfigError(
+            f"store {location} has no catalog URL recorded; an object-store location needs a shared "
+            f"catalog, e.g. `ckstore init {location} --catalog postgresql+psycopg://HOST/DB`"
+        )
+    return f"sqlite:///{os.path.join(getattr(blobs, 'root'), 'catalog.db')}"
+
+
+def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
+    location: str | os.PathLike[str],
+    *,
+    catalog: str | None = None,
+    run: str | None = None,
+    create: bool = True,
+    workers: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **settings: Any,
+) -> Store:
+    """Open (or create) the store at ``location``: a local path or any fsspec URL.
+
+    ``catalog`` is an SQLAlchemy URL; a local store defaults to SQLite inside its folder, and a
+    store remembers the catalog it was created with (an object-store location needs one, e.g.
+    PostgreSQL). ``storage_options`` go to fsspec (endpoint, credentials, botocore
+    ``config_kwargs``); they are never written anywhere. ``settings`` (``chunk_size``,
+    ``pack_size``, ``compression_level``, ``lease_seconds``) apply when the store is created.
+    """
+    return _open(os.fspath(location), catalog, run, create, False, workers, storage_options, settings)
+
+
+def _open(
+    loc: str,
+    catalog: str | None,
+    run: str | None,
+    create: bool,
+    exclusive: bool,
+    workers: int | None,
+    storage_options: Mapping[str, Any] | None,
+    settings: Mapping[str, Any],
+) -> Store:
+    blobs = open_blobstore(loc, **dict(storage_options or {}))
+    hint = f"ckstore --store {loc} db upgrade"
+    config = read_config(blobs)
+    if config is not None:
+        if exclusive:
+            raise AlreadyExistsError(f"a ckstore store already exists at {loc}")
+        _check_settings(loc, config, settings)
+        return Store(loc, blobs, Catalog(catalog_url(loc, blobs, config, catalog), upgrade_hint=hint), config, run=run, workers=workers)
+    if not create:
+        raise StoreConfigError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
+    if catalog:
+        check_no_secret(catalog)
+    if not blobs.is_local and not catalog:
+        raise StoreConfigError(
+            f"an object-store location needs a shared catalog: ckstore.open({loc!r}, "
+            "catalog='postgresql+psycopg://HOST/DB')"
+        )
+    new = StoreConfig.new(catalog=catalog, **settings)
+    cat = Catalog(catalog_url(loc, blobs, new, catalog), upgrade_hint=hint)
+    try:
+        config = _create_config(loc, blobs, cat, new, settings, exclusive)
+    except BaseException:
+        cat.close()
+        raise
+    return Store(loc, blobs, cat, config, run=run, workers=workers)
+
+
+def _check_settings(loc: str, config: StoreConfig, settings: Mapping[str, Any]) -> None:
+    changed = {k: v for k, v in settings.items() if v is not None and getattr(config, k, v) != v}
+    if changed:
+        raise StoreConfigError(
+            f"store {loc} was created with {', '.join(f'{k}={getattr(config, k)!r}' for k in changed)}; "
+            "these settings are fixed when a store is created"
+        )
+
+
+def _create_config(
+    loc: str, blobs: BlobStore, cat: Catalog, new: StoreConfig, settings: Mapping[str, Any], exclusive: bool
+) -> StoreConfig:
+    """Write a new store's config, exclusively: when another process created the store first,
+    its config wins (and must agree with ``settings``), or ``init`` fails."""
+
+    def raced() -> StoreConfig | None:
+        other = read_config(blobs)
+        if other is not None:
+            if exclusive:
+                raise AlreadyExistsError(f"a ckstore store already exists at {loc}")
+            _check_settings(loc, other, settings)
+        return other
+
+    if new.catalog and not cat.is_empty():
+        other = raced()
+        if other is not None:
+            return other
+        raise StoreConfigError(
+            f"catalog {redact(cat.url)} already records another store's checkpoints; every store needs a "
+            "catalog of its own (a new database, or a PostgreSQL schema via "
+            "?options=-csearch_path%3DNAME)"
+        )
+    try:
+        blobs.put(CONFIG_KEY, new.to_bytes(), exclusive=True)
+        return new
+    except BlobExistsError:
+        other = raced()
+        if other is None:  # pragma: no cover - the winner's object vanished again
+            raise
+        return other
+
+
+def init(
+    location: str | os.PathLike[str],
+    *,
+    catalog: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **settings: Any,
+) -> Store:
+    """Create a store (an error if one exists at ``location``)."""
+    return _open(os.fspath(location), catalog, None, True, True, None, storage_options, settings)
