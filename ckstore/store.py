@@ -252,7 +252,7 @@ class Store:
 
     def manifests(self, ckpt: Checkpoint, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None) -> dict[tuple[int, str], Manifest]:
         return {
-            (r, k): Manifest.from_bytes(m)
+            (r, k): Manifest.from_bytes(m, f"run {ckpt.run!r}, step {ckpt.step}, rank {r}, {k}")
             for r, k, m in self.catalog.entries(ckpt.id, ranks=ranks, sub_keys=sub_keys)
         }
 

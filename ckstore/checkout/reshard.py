@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from ..errors import LayoutError
+from ..errors import IntegrityError, LayoutError
+from ..format import tree as tree_format
 from ..format.manifest import Manifest, ShardSpec, TensorRecord
 from ..layout import WorldLayout, chunk_range
 from .readplan import Box, BoxCopy, Buffer, ChunkCopy, PlanBuilder, ReadPlan, TargetEntry
@@ -45,6 +45,7 @@ __all__ = [
     "ReadPlan",
     "StoredPiece",
     "plan_boxes",
+    "check_pieces",
 ]
 
 FALLBACKS = (None, "modulo")
@@ -180,6 +181,46 @@ def target_box(spec: ShardSpec, layout: WorldLayout, coords: Mapping[str, int]) 
 # -- the planner ---------------------------------------------------------------------------------
 
 
+def check_pieces(records: Sequence[TensorRecord], what: str) -> None:
+    """Refuse stored pieces of one global tensor that disagree or overlap.
+
+    Manifests are validated one by one when parsed; this checks what only their union shows:
+    the pieces of a sharded tensor share its dtype and global shape, and pieces at different
+    places never overlap (so counting the elements they cover proves a box is filled). Replicas
+    (same offsets and shape) are one piece. Cost: a sweep along the dim the pieces split most,
+    comparing only pieces that overlap along it.
+    """
+    if not records:
+        return
+    first = records[0]
+    assert first.shard is not None
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
+    for rec in records:
+        assert rec.shard is not None
+        if rec.dtype != first.dtype or rec.shard.global_shape != first.shard.global_shape:
+            raise IntegrityError(
+                f"{what}: its stored pieces disagree: {first.dtype} of global shape "
+                f"{list(first.shard.global_shape)} and {rec.dtype} of global shape {list(rec.shard.global_shape)}"
+            )
+        boxes[(rec.shard.offsets, rec.shape)] = None
+    placed = list(boxes)
+    if len(placed) < 2:
+        return
+    ndim = len(first.shape)
+    d = max(range(ndim), key=lambda i: len({o[i] for o, _ in placed}))
+    placed.sort(key=lambda b: b[0][d])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, shape in placed:
+        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
+        for aoff, ashape in active:
+            if all(max(o, ao) < min(o + n, ao + an) for o, n, ao, an in zip(off, shape, aoff, ashape)):
+                raise IntegrityError(
+                    f"{what}: stored pieces of shape {list(ashape)} at {list(aoff)} and of shape "
+                    f"{list(shape)} at {list(off)} overlap; the checkpoint's manifests are corrupt"
+                )
+        active.append((off, shape))
+
+
 def _source(rank: int, sub_key: str, path: str) -> str:
     return f"rank {rank}, {sub_key}, key {path!r}"
 
@@ -246,6 +287,8 @@ class _Saved:
                 if t.shard is not None and t.nbytes:
                     placed = self.pieces.setdefault((sub_key, t.path), {})
                     placed.setdefault((t.shard.offsets, t.shape), []).append((rank, t))
+        for (sub_key, path), placed in self.pieces.items():
+            check_pieces([rec for group in placed.values() for _, rec in group], f"{sub_key}, key {path!r}")
 
     def place(self, rank: int, coords: dict[str, int]) -> _Placement:
         folded: dict[str, int] = {}
@@ -318,7 +361,7 @@ def _plan_entry(
     strict = fallback is None and len(eligible) > 1
     if strict:
         for other in eligible:
-            where = _tree_difference(man.tree, manifests[(other, sub_key)].tree)
+            where = tree_format.tree_difference(man.tree, manifests[(other, sub_key)].tree)
             if where is not None:
                 raise _no_source(saved, place, sub_key, where, eligible)
     bufs = []
@@ -404,28 +447,3 @@ def _no_source(saved: _Saved, place: _Placement, sub_key: str, path: str, ranks:
         f"{saved.layout.mesh} has no rank at these coordinates; pass fallback='modulo' to take it from "
         "the saved rank at the same coordinates modulo the saved sizes"
     )
-
-
-def _tree_difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> str | None:
-    """The key path of the first difference between two encoded trees, or None when equal."""
-    if a == b:
-        return None
-    if isinstance(a, list) and isinstance(b, list) and a[:1] == b[:1] and a[:1] in (["d"], ["l"], ["t"]):
-        xs, ys = a[1], b[1]
-        if a[0] == "d":
-            if [k for k, _ in xs] != [k for k, _ in ys]:
-                return _path_str(path)
-            pairs = [((*path, k[1] if len(k) > 1 else None), x, y) for (k, x), (_, y) in zip(xs, ys)]
-        else:
-            if len(xs) != len(ys):
-                return _path_str(path)
-            pairs = [((*path, i), x, y) for i, (x, y) in enumerate(zip(xs, ys))]
-        for p, x, y in pairs:
-            found = _tree_difference(x, y, p)
-            if found is not None:
-                return found
-    return _path_str(path)
-
-
-def _path_str(path: tuple[Any, ...]) -> str:
-    return "/".join(str(k) for k in path) if path else "<root>"
