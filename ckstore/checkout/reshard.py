@@ -26,9 +26,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import IntegrityError, LayoutError
+from ..errors import LayoutError
 from ..format import tree as tree_format
-from ..format.manifest import Manifest, ShardSpec, TensorRecord
+from ..format.manifest import Manifest, ShardSpec, TensorRecord, check_pieces
 from ..layout import WorldLayout, chunk_range
 from .readplan import Box, BoxCopy, Buffer, ChunkCopy, PlanBuilder, ReadPlan, TargetEntry
 
@@ -45,7 +45,6 @@ __all__ = [
     "ReadPlan",
     "StoredPiece",
     "plan_boxes",
-    "check_pieces",
 ]
 
 FALLBACKS = (None, "modulo")
@@ -181,46 +180,6 @@ def target_box(spec: ShardSpec, layout: WorldLayout, coords: Mapping[str, int]) 
 # -- the planner ---------------------------------------------------------------------------------
 
 
-def check_pieces(records: Sequence[TensorRecord], what: str) -> None:
-    """Refuse stored pieces of one global tensor that disagree or overlap.
-
-    Manifests are validated one by one when parsed; this checks what only their union shows:
-    the pieces of a sharded tensor share its dtype and global shape, and pieces at different
-    places never overlap (so counting the elements they cover proves a box is filled). Replicas
-    (same offsets and shape) are one piece. Cost: a sweep along the dim the pieces split most,
-    comparing only pieces that overlap along it.
-    """
-    if not records:
-        return
-    first = records[0]
-    assert first.shard is not None
-    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
-    for rec in records:
-        assert rec.shard is not None
-        if rec.dtype != first.dtype or rec.shard.global_shape != first.shard.global_shape:
-            raise IntegrityError(
-                f"{what}: its stored pieces disagree: {first.dtype} of global shape "
-                f"{list(first.shard.global_shape)} and {rec.dtype} of global shape {list(rec.shard.global_shape)}"
-            )
-        boxes[(rec.shard.offsets, rec.shape)] = None
-    placed = list(boxes)
-    if len(placed) < 2:
-        return
-    ndim = len(first.shape)
-    d = max(range(ndim), key=lambda i: len({o[i] for o, _ in placed}))
-    placed.sort(key=lambda b: b[0][d])
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for off, shape in placed:
-        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
-        for aoff, ashape in active:
-            if all(max(o, ao) < min(o + n, ao + an) for o, n, ao, an in zip(off, shape, aoff, ashape)):
-                raise IntegrityError(
-                    f"{what}: stored pieces of shape {list(ashape)} at {list(aoff)} and of shape "
-                    f"{list(shape)} at {list(off)} overlap; the checkpoint's manifests are corrupt"
-                )
-        active.append((off, shape))
-
-
 def _source(rank: int, sub_key: str, path: str) -> str:
     return f"rank {rank}, {sub_key}, key {path!r}"
 
@@ -273,7 +232,7 @@ class _Placement:
 class _Saved:
     """An index of the saved manifests, built once per plan."""
 
-    def __init__(self, manifests: Mapping[tuple[int, str], Manifest], layout: WorldLayout) -> None:
+    def __init__(self, manifests: Mapping[tuple[int, str], Manifest], layout: WorldLayout, where: str) -> None:
         self.manifests = manifests
         self.layout = layout
         self.ranks = sorted({r for r, _ in manifests})
@@ -288,7 +247,7 @@ class _Saved:
                     placed = self.pieces.setdefault((sub_key, t.path), {})
                     placed.setdefault((t.shard.offsets, t.shape), []).append((rank, t))
         for (sub_key, path), placed in self.pieces.items():
-            check_pieces([rec for group in placed.values() for _, rec in group], f"{sub_key}, key {path!r}")
+            check_pieces([rec for group in placed.values() for _, rec in group], f"{where}{sub_key}, key {path!r}")
 
     def place(self, rank: int, coords: dict[str, int]) -> _Placement:
         folded: dict[str, int] = {}
@@ -316,8 +275,12 @@ def plan_checkout(
     itemsizes: Mapping[str, int],
     *,
     fallback: str | None = None,
+    where: str = "",
 ) -> ReadPlan:
     """Plan a checkout of stored ``manifests`` (keyed by ``(rank, sub_key)``); no I/O.
+
+    ``where`` names the checkpoint in errors. Stored pieces of one sharded tensor that disagree
+    or overlap raise :class:`~ckstore.errors.IntegrityError`.
 
     With ``target_layout`` None each stored rank gets back exactly what it saved. Otherwise
     every sharded tensor is cut for each target rank of ``target_layout`` (all of them, or
@@ -335,7 +298,7 @@ def plan_checkout(
         return b.plan()
     if fallback not in FALLBACKS:
         raise LayoutError(f"unknown fallback {fallback!r}: use None or 'modulo'")
-    saved = _Saved(manifests, source_layout)
+    saved = _Saved(manifests, source_layout, f"{where}, " if where else "")
     ranks = range(target_layout.world_size) if target_ranks is None else target_ranks
     for r in ranks:
         place = saved.place(r, target_layout.coords(r))

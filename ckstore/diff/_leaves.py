@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkout.executor import execute_plan
-from ..checkout.reshard import StoredPiece, check_pieces, plan_boxes
+from ..checkout.reshard import StoredPiece, plan_boxes
 from ..format import tree as tree_format
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, check_pieces
 from ..format.tensorio import dtype_from_name, format_path, itemsize
 from ..records import Checkpoint
 from ._stats import Accumulator

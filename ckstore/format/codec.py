@@ -205,6 +205,8 @@ def decode_into(frame: memoryview | bytes, dest: memoryview) -> None:
     if out.nbytes != n:
         raise IntegrityError(f"chunk frame holds {n} raw bytes, expected {out.nbytes}")
     body = fv[HEADER_SIZE:]
+    if codec in (CODEC_RAW, CODEC_ZSTD) and (itemsize, mask) != (1, 0):
+        raise IntegrityError(f"chunk frame of codec {codec} has itemsize {itemsize} and plane mask {mask:#x}")
     try:
         if codec == CODEC_RAW:
             if body.nbytes != n:

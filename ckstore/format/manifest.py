@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "MAX_CHUNK_SIZE",
     "MAX_NDIM",
     "DIGEST_SIZE",
+    "check_pieces",
 ]
 
 MANIFEST_VERSION = 1
@@ -291,3 +293,44 @@ def _digest(h: Any, where: str) -> bytes:
     if len(d) != DIGEST_SIZE:
         raise IntegrityError(f"{where}chunk digest {_short(h)} is not hex")
     return d
+
+
+def check_pieces(records: Sequence[TensorRecord], what: str) -> None:
+    """Refuse stored pieces of one global tensor that disagree or overlap.
+
+    Manifests are validated one by one when parsed; this checks what only their union shows:
+    the pieces of a sharded tensor share its dtype and global shape, and pieces at different
+    places never overlap (so counting the elements they cover proves a box is filled). Replicas
+    (same offsets and shape) are one piece. Cost: a sweep along the dim the pieces split most,
+    comparing only pieces that overlap along it.
+    """
+    if not records:
+        return
+    first = records[0]
+    assert first.shard is not None
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
+    for rec in records:
+        assert rec.shard is not None
+        if rec.dtype != first.dtype or rec.shard.global_shape != first.shard.global_shape:
+            raise IntegrityError(
+                f"{what}: its stored pieces disagree: {first.dtype} of global shape "
+                f"{list(first.shard.global_shape)} and {rec.dtype} of global shape {list(rec.shard.global_shape)}"
+            )
+        boxes[(rec.shard.offsets, rec.shape)] = None
+    placed = list(boxes)
+    if len(placed) < 2:
+        return
+    ndim = len(first.shape)
+    d = max(range(ndim), key=lambda i: len({o[i] for o, _ in placed}))
+    placed.sort(key=lambda b: b[0][d])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, shape in placed:
+        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
+        for aoff, ashape in active:
+            if all(max(o, ao) < min(o + n, ao + an) for o, n, ao, an in zip(off, shape, aoff, ashape)):
+                raise IntegrityError(
+                    f"{what}: stored pieces of shape {list(ashape)} at {list(aoff)} and of shape "
+                    f"{list(shape)} at {list(off)} overlap; the checkpoint's manifests are corrupt"
+                )
+        active.append((off, shape))
+

@@ -28,7 +28,7 @@ from ..catalog import Catalog, utcnow
 from ..catalog._schema import COMMITTED
 from ..errors import BlobStoreError, IntegrityError
 from ..format import codec, hashing
-from ..format.manifest import MAX_CHUNK_SIZE, Manifest
+from ..format.manifest import MAX_CHUNK_SIZE, Manifest, TensorRecord, check_pieces
 from .gc import (
     RUNS,
     TRASH,
@@ -255,6 +255,7 @@ def _walk_manifests(
             .where(E.c.checkpoint_id == ck.id)
             .order_by(E.c.rank, E.c.id)
         )
+        pieces: dict[tuple[str, str], tuple[int, list[TensorRecord]]] = {}
         for e in entries:
             try:
                 man = Manifest.from_bytes(bytes(e.manifest), f"{ck.name}@{ck.step} rank {e.rank} {e.sub_key}")
@@ -263,6 +264,9 @@ def _walk_manifests(
                     Damage(ck.name, int(ck.step), int(e.rank), e.sub_key, "", "", "", str(err))
                 )
                 continue
+            for t in man.tensors:
+                if t.shard is not None and t.nbytes:
+                    pieces.setdefault((e.sub_key, t.path), (int(e.rank), []))[1].append(t)
             for t in man.tensors:
                 for i, d in enumerate(t.chunks):
                     span = t.chunk_span(i)
@@ -298,6 +302,11 @@ def _walk_manifests(
                                 "protects it from gc (and it may already be gone)",
                             )
                         )  # fmt: skip
+        for (sub_key, path), (rank, recs) in pieces.items():
+            try:
+                check_pieces(recs, f"{sub_key}, key {path!r}")
+            except IntegrityError as err:
+                damage.append(Damage(ck.name, int(ck.step), rank, sub_key, path, "", "", str(err)))
     return damage, used_bad
 
 
