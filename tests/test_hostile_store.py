@@ -402,7 +402,7 @@ def test_pack_index_lies_are_refused(hs: tuple[ckstore.Store, Hostile]) -> None:
     _, h = hs
     data = (h.path / h.packs()[0]).read_bytes()
     entries = read_index(data)
-    assert entries and all(8 <= off and off + ln <= len(data) for _, off, ln, _ in entries)
+    assert entries and all(off >= 8 and off + ln <= len(data) for _, off, ln, _ in entries)
     count_at = len(data) - 8
     cases = {
         "count past the pack": data[:count_at] + (0xFFFFFFFF).to_bytes(4, "little") + data[-4:],
