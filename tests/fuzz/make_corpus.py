@@ -17,10 +17,9 @@ import numpy as np
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fuzz.hostile import chunk_frame, zstd_frame  # noqa: E402
-
 from ckstore.format import codec, hashing  # noqa: E402
 from ckstore.format.tensorio import MAX_DEPTH  # noqa: E402
+from fuzz.hostile import chunk_frame, zstd_frame  # noqa: E402
 
 OUT = Path(__file__).parent / "corpus"
 

@@ -240,7 +240,7 @@ def test_fuzz_pack_indexes(world: tuple[ckstore.Store, Hostile, Any]) -> None:
         except CkstoreError:
             return
         for _, off, ln, _ in entries:
-            assert 8 <= off and off + ln <= len(data)
+            assert off >= 8 and off + ln <= len(data)
 
     run()
 
