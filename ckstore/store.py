@@ -252,7 +252,7 @@ class Store:
 
     def manifests(self, ckpt: Checkpoint, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None) -> dict[tuple[int, str], Manifest]:
         return {
-            (r, k): Manifest.from_bytes(m)
+            (r, k): Manifest.from_bytes(m, f"run {ckpt.run!r}, step {ckpt.step}, rank {r}, {k}")
             for r, k, m in self.catalog.entries(ckpt.id, ranks=ranks, sub_keys=sub_keys)
         }
 
@@ -294,8 +294,8 @@ class Store:
                 f"run {ckpt.run!r}, step {ckpt.step} was deleted (by gc or `ckstore rm`) while it was being checked out"
             )
         sizes = {t.dtype: itemsize(dtype_from_name(t.dtype)) for m in mans.values() for t in m.tensors}
-        plan = plan_checkout(mans, ckpt.world_layout, target, rank_list, sizes, fallback=fallback)
         where = f"run {ckpt.run!r}, step {ckpt.step}"
+        plan = plan_checkout(mans, ckpt.world_layout, target, rank_list, sizes, fallback=fallback, where=where)
         total = plan.bytes_to_fill
         done = [0]
 

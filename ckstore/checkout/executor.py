@@ -22,6 +22,7 @@ from ..blobstore import BlobNotFoundError, BlobStore
 from ..catalog import ChunkLocation
 from ..errors import BlobStoreError, ChunkNotFoundError, IntegrityError
 from ..format import codec, hashing
+from ..format.pack import PACK_HEADER, PACK_PREFIX
 from ..format.tensorio import byte_view, dtype_from_name, empty_tensor
 from .readplan import ChunkCopy, ReadPlan
 
@@ -93,11 +94,7 @@ def execute_plan(
     digests = list(dict.fromkeys(c.digest for c in plan.copies))
     locs = locate(digests)
     for c in plan.copies:
-        if c.digest not in locs:
-            raise ChunkNotFoundError(
-                f"{where}, {c.source}: chunk {c.digest.hex()} is not in the catalog; the checkpoint is "
-                "damaged (run `ckstore fsck`)"
-            )
+        _check_location(c, locs.get(c.digest), where)
     tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
     for i, buf in enumerate(plan.buffers):
         if not buf.staging:
@@ -163,6 +160,26 @@ def execute_plan(
                     dst_sl = tuple(slice(a, b) for a, b in bx.dst_box)
                     dst[dst_sl] = staged[src_sl]
     return tensors
+
+
+def _check_location(c: ChunkCopy, loc: ChunkLocation | None, where: str) -> None:
+    """Refuse a catalog row that disagrees with the manifest before anything is read or allocated."""
+    if loc is None:
+        raise ChunkNotFoundError(
+            f"{where}, {c.source}: chunk {c.digest.hex()} is not in the catalog; the checkpoint is "
+            "damaged (run `ckstore fsck`)"
+        )
+    problem = None
+    if loc.raw_size != c.raw_size:
+        problem = f"the catalog records {loc.raw_size} raw bytes for it, the manifest {c.raw_size}"
+    elif loc.offset < len(PACK_HEADER) or not codec.HEADER_SIZE <= loc.length <= codec.max_frame_length(c.raw_size):
+        problem = f"the catalog places its {loc.length}-byte frame at byte {loc.offset} of its pack"
+    elif not loc.pack_key.startswith(PACK_PREFIX):
+        problem = f"the catalog places it in {loc.pack_key[:100]!r}, outside {PACK_PREFIX}"
+    if problem is not None:
+        raise IntegrityError(
+            f"{where}, {c.source}: chunk {c.digest.hex()}: {problem}; the catalog is damaged (run `ckstore fsck --deep`)"
+        )
 
 
 def _deliver(

@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import LayoutError
-from ..format.manifest import Manifest, ShardSpec, TensorRecord
+from ..format import tree as tree_format
+from ..format.manifest import Manifest, ShardSpec, TensorRecord, check_pieces
 from ..layout import WorldLayout, chunk_range
 from .readplan import Box, BoxCopy, Buffer, ChunkCopy, PlanBuilder, ReadPlan, TargetEntry
 
@@ -232,7 +232,7 @@ class _Placement:
 class _Saved:
     """An index of the saved manifests, built once per plan."""
 
-    def __init__(self, manifests: Mapping[tuple[int, str], Manifest], layout: WorldLayout) -> None:
+    def __init__(self, manifests: Mapping[tuple[int, str], Manifest], layout: WorldLayout, where: str) -> None:
         self.manifests = manifests
         self.layout = layout
         self.ranks = sorted({r for r, _ in manifests})
@@ -246,6 +246,8 @@ class _Saved:
                 if t.shard is not None and t.nbytes:
                     placed = self.pieces.setdefault((sub_key, t.path), {})
                     placed.setdefault((t.shard.offsets, t.shape), []).append((rank, t))
+        for (sub_key, path), placed in self.pieces.items():
+            check_pieces([rec for group in placed.values() for _, rec in group], f"{where}{sub_key}, key {path!r}")
 
     def place(self, rank: int, coords: dict[str, int]) -> _Placement:
         folded: dict[str, int] = {}
@@ -273,8 +275,12 @@ def plan_checkout(
     itemsizes: Mapping[str, int],
     *,
     fallback: str | None = None,
+    where: str = "",
 ) -> ReadPlan:
     """Plan a checkout of stored ``manifests`` (keyed by ``(rank, sub_key)``); no I/O.
+
+    ``where`` names the checkpoint in errors. Stored pieces of one sharded tensor that disagree
+    or overlap raise :class:`~ckstore.errors.IntegrityError`.
 
     With ``target_layout`` None each stored rank gets back exactly what it saved. Otherwise
     every sharded tensor is cut for each target rank of ``target_layout`` (all of them, or
@@ -292,7 +298,7 @@ def plan_checkout(
         return b.plan()
     if fallback not in FALLBACKS:
         raise LayoutError(f"unknown fallback {fallback!r}: use None or 'modulo'")
-    saved = _Saved(manifests, source_layout)
+    saved = _Saved(manifests, source_layout, f"{where}, " if where else "")
     ranks = range(target_layout.world_size) if target_ranks is None else target_ranks
     for r in ranks:
         place = saved.place(r, target_layout.coords(r))
@@ -318,7 +324,7 @@ def _plan_entry(
     strict = fallback is None and len(eligible) > 1
     if strict:
         for other in eligible:
-            where = _tree_difference(man.tree, manifests[(other, sub_key)].tree)
+            where = tree_format.tree_difference(man.tree, manifests[(other, sub_key)].tree)
             if where is not None:
                 raise _no_source(saved, place, sub_key, where, eligible)
     bufs = []
@@ -404,28 +410,3 @@ def _no_source(saved: _Saved, place: _Placement, sub_key: str, path: str, ranks:
         f"{saved.layout.mesh} has no rank at these coordinates; pass fallback='modulo' to take it from "
         "the saved rank at the same coordinates modulo the saved sizes"
     )
-
-
-def _tree_difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> str | None:
-    """The key path of the first difference between two encoded trees, or None when equal."""
-    if a == b:
-        return None
-    if isinstance(a, list) and isinstance(b, list) and a[:1] == b[:1] and a[:1] in (["d"], ["l"], ["t"]):
-        xs, ys = a[1], b[1]
-        if a[0] == "d":
-            if [k for k, _ in xs] != [k for k, _ in ys]:
-                return _path_str(path)
-            pairs = [((*path, k[1] if len(k) > 1 else None), x, y) for (k, x), (_, y) in zip(xs, ys)]
-        else:
-            if len(xs) != len(ys):
-                return _path_str(path)
-            pairs = [((*path, i), x, y) for i, (x, y) in enumerate(zip(xs, ys))]
-        for p, x, y in pairs:
-            found = _tree_difference(x, y, p)
-            if found is not None:
-                return found
-    return _path_str(path)
-
-
-def _path_str(path: tuple[Any, ...]) -> str:
-    return "/".join(str(k) for k in path) if path else "<root>"

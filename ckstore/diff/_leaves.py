@@ -17,7 +17,8 @@ from typing import Any
 
 from ..checkout.executor import execute_plan
 from ..checkout.reshard import StoredPiece, plan_boxes
-from ..format.manifest import Manifest
+from ..format import tree as tree_format
+from ..format.manifest import Manifest, check_pieces
 from ..format.tensorio import dtype_from_name, format_path, itemsize
 from ..records import Checkpoint
 from ._stats import Accumulator
@@ -81,26 +82,10 @@ class Side:
     chunks: dict[bytes, int]  # digest -> raw size, of every compared tensor
 
 
-def _key_part(node: list[Any]) -> Any:
-    tag = node[0]
-    if tag == "n":
-        return None
-    if tag == "f":
-        return float(node[1])
-    return node[1]
-
-
-def _walk(tree: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+def _walk(tree: Any, where: str) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """``(keys, node)`` for every leaf of an encoded tree: tensor refs, values, empty containers."""
-    stack: list[tuple[tuple[Any, ...], Any]] = [((), tree)]
-    while stack:
-        keys, node = stack.pop()
-        tag = node[0]
-        if tag == "d" and node[1]:
-            stack.extend(((*keys, _key_part(k)), v) for k, v in reversed(node[1]))
-        elif tag in ("l", "t") and node[1]:
-            stack.extend(((*keys, i), v) for i, v in reversed(list(enumerate(node[1]))))
-        else:
+    for keys, tag, node in tree_format.nodes(tree, where):
+        if tag not in tree_format.CONTAINER_TAGS or not node[1]:
             yield keys, node
 
 
@@ -132,14 +117,14 @@ def read_side(
     """The leaves of ``ckpt`` in ``sub_keys`` (all when None) whose key matches glob ``pattern``."""
     mans: dict[tuple[int, str], Manifest] = store.manifests(ckpt, sub_keys=sub_keys)
     where = f"run {ckpt.run!r}, step {ckpt.step}"
-    pieces: dict[tuple[str, str], dict[tuple[int, ...], StoredPiece]] = {}
+    pieces: dict[tuple[str, str], dict[tuple[tuple[int, ...], tuple[int, ...]], StoredPiece]] = {}
     gshape: dict[tuple[str, str], tuple[int, ...]] = {}
     plain: dict[tuple[str, str], dict[int | None, Leaf]] = {}
     chunks: dict[bytes, int] = {}
     sizes: dict[str, int] = {}
     order: dict[tuple[str, str], None] = {}
     for (rank, sub_key), man in sorted(mans.items()):
-        for keys, node in _walk(man.tree):
+        for keys, node in _walk(man.tree, f"{where}, rank {rank}, {sub_key}: "):
             path = format_path(keys)
             if not _matches(pattern, sub_key, path):
                 continue
@@ -158,7 +143,7 @@ def read_side(
             item = sizes.setdefault(rec.dtype, itemsize(dtype_from_name(rec.dtype)))
             if rec.shard is not None:
                 pieces.setdefault(k, {}).setdefault(
-                    rec.shard.offsets, StoredPiece(rec.shard.offsets, rec, source)
+                    (rec.shard.offsets, rec.shape), StoredPiece(rec.shard.offsets, rec, source)
                 )
                 gshape[k] = rec.shard.global_shape
                 continue
@@ -167,6 +152,7 @@ def read_side(
     leaves: dict[tuple[str, str], dict[int | None, Leaf]] = {}
     for k in order:
         if k in pieces:
+            check_pieces([p.record for p in pieces[k].values()], f"{where}, {k[0]}, key {k[1]!r}")
             ps = tuple(v for _, v in sorted(pieces[k].items()))
             dtype = ps[0].record.dtype
             leaves[k] = {None: TensorLeaf(dtype, gshape[k], ps, True, sizes[dtype])}

@@ -27,7 +27,17 @@ import zstandard
 
 from ..errors import IntegrityError
 
-__all__ = ["CODEC_RAW", "CODEC_ZSTD", "CODEC_PLANES", "Frame", "encode", "decode_into", "HEADER_SIZE"]
+__all__ = [
+    "CODEC_RAW",
+    "CODEC_ZSTD",
+    "CODEC_PLANES",
+    "Frame",
+    "encode",
+    "decode_into",
+    "raw_length",
+    "max_frame_length",
+    "HEADER_SIZE",
+]
 
 CODEC_RAW = 0
 CODEC_ZSTD = 1
@@ -138,46 +148,107 @@ def raw_length(frame: memoryview | bytes) -> int:
     return int(_HEADER.unpack_from(frame, 0)[3])
 
 
+def max_frame_length(raw_len: int) -> int:
+    """The longest frame :func:`encode` writes for ``raw_len`` raw bytes.
+
+    A frame is stored raw unless it shrinks, so it is never longer than the header, the
+    byte-plane length table and the raw bytes.
+    """
+    return HEADER_SIZE + 4 * _MAX_ITEMSIZE + raw_len
+
+
+_MAX_ITEMSIZE = 16  # plane_mask has 16 bits
+
+
+def _unzstd(src: memoryview, dest: memoryview, what: str) -> None:
+    """Decompress one zstd frame ``src`` into ``dest``, which it must fill exactly.
+
+    python-zstandard's one-shot ``decompress`` trusts a frame's declared content size (and
+    ignores ``max_output_size`` when there is one), so the declared size is checked against the
+    expected length first and the frame is then streamed straight into ``dest``: decoding never
+    allocates more than the expected length, whatever the frame says.
+    """
+    n = dest.nbytes
+    try:
+        params = zstandard.get_frame_parameters(src)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what} has no valid zstd frame header: {e}") from e
+    declared = params.content_size
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared != n:
+        raise IntegrityError(f"{what} declares {declared} bytes, expected {n}")
+    if declared == zstandard.CONTENTSIZE_UNKNOWN and params.window_size > max(2 * n, 1 << 17):
+        # zstd would allocate a window this large to stream a frame of unknown size
+        raise IntegrityError(f"{what} asks for a {params.window_size}-byte window to produce {n} bytes")
+    reader = _decompressor().stream_reader(src)
+    got = 0
+    while got < n:
+        k = reader.readinto(dest[got:])
+        if not k:
+            raise IntegrityError(f"{what} decoded to {got} bytes, expected {n}")
+        got += k
+    if reader.read(1):
+        raise IntegrityError(f"{what} decodes to more than the expected {n} bytes")
+
+
 def decode_into(frame: memoryview | bytes, dest: memoryview) -> None:
     """Decode ``frame`` into ``dest``, which must be exactly the chunk's raw length.
 
-    Raises :class:`IntegrityError` when the frame is malformed; the caller verifies the digest.
+    Never allocates more than ``dest``'s length, whatever the frame declares. Raises
+    :class:`IntegrityError` naming what is wrong when the frame is malformed; the caller
+    verifies the digest.
     """
-    fv = memoryview(frame)
+    fv = memoryview(frame).cast("B") if memoryview(frame).format != "B" else memoryview(frame)
     if fv.nbytes < HEADER_SIZE:
         raise IntegrityError(f"chunk frame of {fv.nbytes} bytes is shorter than its header")
     codec, itemsize, mask, n = _HEADER.unpack_from(fv, 0)
-    out = np.frombuffer(dest, dtype=np.uint8)
+    out = memoryview(dest).cast("B") if memoryview(dest).format != "B" else memoryview(dest)
     if out.nbytes != n:
         raise IntegrityError(f"chunk frame holds {n} raw bytes, expected {out.nbytes}")
     body = fv[HEADER_SIZE:]
+    if codec in (CODEC_RAW, CODEC_ZSTD) and (itemsize, mask) != (1, 0):
+        raise IntegrityError(f"chunk frame of codec {codec} has itemsize {itemsize} and plane mask {mask:#x}")
     try:
         if codec == CODEC_RAW:
             if body.nbytes != n:
                 raise IntegrityError(f"raw chunk frame holds {body.nbytes} bytes, header says {n}")
-            out[:] = np.frombuffer(body, dtype=np.uint8)
+            out[:] = body
         elif codec == CODEC_ZSTD:
-            data = _decompressor().decompress(body, max_output_size=n)
-            if len(data) != n:
-                raise IntegrityError(f"zstd chunk decoded to {len(data)} bytes, header says {n}")
-            out[:] = np.frombuffer(data, dtype=np.uint8)
+            _unzstd(body, out, "zstd chunk frame")
         elif codec == CODEC_PLANES:
-            if itemsize < 2 or n % itemsize:
-                raise IntegrityError(f"byte-plane frame with itemsize {itemsize} and length {n}")
-            lengths = struct.unpack_from(f"<{itemsize}I", body, 0)
-            pos = 4 * itemsize
-            per_plane = n // itemsize
-            for j, ln in enumerate(lengths):
-                part = body[pos : pos + ln]
-                pos += ln
-                if mask >> j & 1:
-                    part = memoryview(_decompressor().decompress(part, max_output_size=per_plane))
-                if part.nbytes != per_plane:
-                    raise IntegrityError(f"byte plane {j} holds {part.nbytes} bytes, expected {per_plane}")
-                out[j::itemsize] = np.frombuffer(part, dtype=np.uint8)
-            if pos != body.nbytes:
-                raise IntegrityError("byte-plane frame has trailing bytes")
+            _planes_into(body, out, itemsize, mask)
         else:
             raise IntegrityError(f"unknown chunk codec {codec}")
     except zstandard.ZstdError as e:
         raise IntegrityError(f"chunk frame does not decompress: {e}") from e
+
+
+def _planes_into(body: memoryview, out: memoryview, itemsize: int, mask: int) -> None:
+    n = out.nbytes
+    if not 2 <= itemsize <= _MAX_ITEMSIZE or n % itemsize:
+        raise IntegrityError(f"byte-plane frame with itemsize {itemsize} and length {n}")
+    if mask >> itemsize:
+        raise IntegrityError(f"byte-plane frame of {itemsize} planes marks plane {mask.bit_length() - 1} compressed")
+    table = 4 * itemsize
+    if body.nbytes < table:
+        raise IntegrityError(f"byte-plane frame of {body.nbytes} bytes is shorter than its length table")
+    lengths = struct.unpack_from(f"<{itemsize}I", body, 0)
+    if table + sum(lengths) != body.nbytes:
+        raise IntegrityError(
+            f"byte-plane frame holds {body.nbytes - table} bytes of planes, its table says {sum(lengths)}"
+        )
+    per_plane = n // itemsize
+    dst = np.frombuffer(out, dtype=np.uint8)
+    scratch: np.ndarray | None = None
+    pos = table
+    for j, ln in enumerate(lengths):
+        part = body[pos : pos + ln]
+        pos += ln
+        if mask >> j & 1:
+            if scratch is None:
+                scratch = np.empty(per_plane, dtype=np.uint8)
+            _unzstd(part, scratch.data, f"byte plane {j}")
+            dst[j::itemsize] = scratch
+        else:
+            if part.nbytes != per_plane:
+                raise IntegrityError(f"byte plane {j} holds {part.nbytes} bytes, expected {per_plane}")
+            dst[j::itemsize] = np.frombuffer(part, dtype=np.uint8)

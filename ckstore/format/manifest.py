@@ -14,21 +14,50 @@ Tree nodes are JSON arrays tagged by their first element::
     ["n"] ["b", x] ["i", x] ["f", "repr"] ["s", x] ["y", "base64"]
                         None, bool, int, float (repr keeps nan, inf and every bit), str, bytes
     ["P", "base64"]     a pickled object (only with the caller's opt-in on both commit and checkout)
+
+Manifests come from the catalog, so they are untrusted. :meth:`Manifest.from_bytes` is the one
+way in, and it refuses (:class:`IntegrityError`, naming ``where``) any manifest that is not
+self-consistent before anything is allocated for it: known dtype; ``itemsize × prod(shape) ==
+nbytes``; one chunk per ``chunk_size`` bytes (so every chunk's span is contiguous and within
+``chunk_size``); shard offsets inside the global shape; a valid tree (see
+:mod:`ckstore.format.tree`). Its cost is linear in the number of chunks and tree nodes, never
+in tensor bytes. The chunks' raw lengths recorded in the catalog are checked against
+:meth:`TensorRecord.chunk_span` where chunks are read.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zstandard
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UnsupportedValueError
+from . import tree as tree_format
 
-__all__ = ["ShardSpec", "TensorRecord", "Manifest", "MANIFEST_VERSION"]
+__all__ = [
+    "ShardSpec",
+    "TensorRecord",
+    "Manifest",
+    "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "MAX_CHUNK_SIZE",
+    "MAX_NDIM",
+    "DIGEST_SIZE",
+    "check_pieces",
+]
 
 MANIFEST_VERSION = 1
+#: The largest manifest (as uncompressed JSON) ckstore writes or reads.
+MAX_MANIFEST_BYTES = 256 << 20
+#: The largest chunk a manifest may declare (the store setting's upper bound).
+MAX_CHUNK_SIZE = 1 << 30
+#: The most dimensions a stored tensor may have.
+MAX_NDIM = 64
+DIGEST_SIZE = 16  # xxh3-128
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +80,32 @@ class ShardSpec:
         }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> ShardSpec:
-        return cls(
-            tuple(int(x) for x in obj["global_shape"]),
-            tuple(int(x) for x in obj["offsets"]),
-            tuple((int(d), str(m)) for d, m in obj["splits"]),
-        )
+    def from_json(cls, obj: Any, ndim: int | None = None, where: str = "") -> ShardSpec:
+        """Parse and check a shard spec of a tensor with ``ndim`` dimensions."""
+        if not isinstance(obj, dict):
+            raise IntegrityError(f"{where}shard is {_short(obj)}, not an object")
+        gshape = _ints(_field(obj, "global_shape", list, where), f"{where}shard global_shape")
+        offsets = _ints(_field(obj, "offsets", list, where), f"{where}shard offsets")
+        n = len(gshape) if ndim is None else ndim
+        if len(gshape) != n or len(offsets) != n:
+            raise IntegrityError(
+                f"{where}shard of a {n}-dim tensor has a {len(gshape)}-dim global shape and {len(offsets)} offsets"
+            )
+        splits = []
+        for pair in _field(obj, "splits", list, where):
+            if (
+                not isinstance(pair, list)
+                or len(pair) != 2
+                or not _is_int(pair[0])
+                or not 0 <= pair[0] < max(n, 1)
+                or not isinstance(pair[1], str)
+                or not pair[1]
+            ):
+                raise IntegrityError(f"{where}shard split {_short(pair)} is not [tensor dim, mesh dim name]")
+            splits.append((int(pair[0]), pair[1]))
+        if len(set(splits)) != len(splits) or len({m for _, m in splits}) != len(splits):
+            raise IntegrityError(f"{where}shard splits {splits} name a mesh dim twice")
+        return cls(tuple(gshape), tuple(offsets), tuple(splits))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,17 +139,49 @@ class TensorRecord:
         return obj
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> TensorRecord:
-        shard = obj.get("shard")
-        return cls(
-            path=str(obj["path"]),
-            dtype=str(obj["dtype"]),
-            shape=tuple(int(x) for x in obj["shape"]),
-            nbytes=int(obj["nbytes"]),
-            chunk_size=int(obj["chunk_size"]),
-            chunks=tuple(bytes.fromhex(c) for c in obj["chunks"]),
-            shard=ShardSpec.from_json(shard) if shard else None,
-        )
+    def from_json(cls, obj: Any, where: str = "") -> TensorRecord:
+        """Parse one record and check it is self-consistent (see the module docstring)."""
+        from .tensorio import stored_itemsize
+
+        if not isinstance(obj, dict):
+            raise IntegrityError(f"{where}a tensor record is {_short(obj)}, not an object")
+        path = _field(obj, "path", str, where)
+        where = f"{where}key {path[:200]!r}: "
+        dtype = _field(obj, "dtype", str, where)
+        try:
+            item = stored_itemsize(dtype)
+        except IntegrityError as e:
+            raise IntegrityError(f"{where}{e}") from None
+        shape = _ints(_field(obj, "shape", list, where), f"{where}shape")
+        if len(shape) > MAX_NDIM:
+            raise IntegrityError(f"{where}a tensor of {len(shape)} dims (at most {MAX_NDIM})")
+        nbytes = _field(obj, "nbytes", int, where)
+        if nbytes != item * math.prod(shape):
+            raise IntegrityError(
+                f"{where}nbytes {nbytes} is not {dtype} ({item} bytes) times shape {shape} "
+                f"({item * math.prod(shape)} bytes)"
+            )
+        chunk_size = _field(obj, "chunk_size", int, where)
+        if not 0 < chunk_size <= MAX_CHUNK_SIZE:
+            raise IntegrityError(f"{where}chunk_size {chunk_size} is outside 1..{MAX_CHUNK_SIZE}")
+        hexes = _field(obj, "chunks", list, where)
+        if len(hexes) != -(-nbytes // chunk_size):
+            raise IntegrityError(
+                f"{where}{len(hexes)} chunks listed, but {nbytes} bytes in chunks of {chunk_size} "
+                f"need {-(-nbytes // chunk_size)}"
+            )
+        chunks = tuple(_digest(h, where) for h in hexes)
+        shard_obj = obj.get("shard")
+        shard = None
+        if shard_obj is not None:
+            shard = ShardSpec.from_json(shard_obj, len(shape), where)
+            for d, (o, n, g) in enumerate(zip(shard.offsets, shape, shard.global_shape)):
+                if o + n > g:
+                    raise IntegrityError(
+                        f"{where}shard of shape {shape} at offsets {list(shard.offsets)} reaches past "
+                        f"global shape {list(shard.global_shape)} in dim {d}"
+                    )
+        return cls(path, dtype, tuple(shape), nbytes, chunk_size, chunks, shard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,17 +203,134 @@ class Manifest:
             "tensors": [t.to_json() for t in self.tensors],
         }
         raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise UnsupportedValueError(
+                f"the manifest of this state dict is {len(raw)} bytes of JSON, more than the "
+                f"{MAX_MANIFEST_BYTES} ckstore reads back; split it into several sub-checkpoints"
+            )
         return zstandard.ZstdCompressor(level=3).compress(raw)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Manifest:
-        try:
-            doc = json.loads(zstandard.ZstdDecompressor().decompress(data))
-        except (zstandard.ZstdError, ValueError) as e:
-            raise IntegrityError(f"a manifest in the catalog is unreadable: {e}") from e
+    def from_bytes(cls, data: bytes, where: str = "") -> Manifest:
+        """Parse and validate a manifest read from the catalog.
+
+        ``where`` ("run 'x', step 3, rank 0, model_states") prefixes every error. Raises
+        :class:`IntegrityError` for any manifest that is unreadable or not self-consistent.
+        """
+        where = f"{where}: " if where else "a manifest in the catalog: "
+        doc = _load_json(data, where)
+        if not isinstance(doc, dict):
+            raise IntegrityError(f"{where}the manifest is not a JSON object")
         if doc.get("version") != MANIFEST_VERSION:
             raise IntegrityError(
-                f"manifest format version {doc.get('version')} is not supported by this ckstore "
-                f"(it reads version {MANIFEST_VERSION}); upgrade ckstore"
+                f"{where}manifest format version {_short(doc.get('version'))} is not supported by this "
+                f"ckstore (it reads version {MANIFEST_VERSION}); upgrade ckstore"
             )
-        return cls(doc["tree"], tuple(TensorRecord.from_json(t) for t in doc["tensors"]))
+        records = tuple(TensorRecord.from_json(t, where) for t in _field(doc, "tensors", list, where))
+        if "tree" not in doc:
+            raise IntegrityError(f"{where}the manifest has no tree")
+        tree_format.check_tree(doc["tree"], len(records), where)
+        return cls(doc["tree"], records)
+
+
+def _load_json(data: bytes, where: str) -> Any:
+    """Decompress (never past :data:`MAX_MANIFEST_BYTES`, whatever the frame declares) and parse."""
+    try:
+        declared = zstandard.frame_content_size(data)
+        if declared > MAX_MANIFEST_BYTES:
+            raise IntegrityError(
+                f"{where}the manifest declares {declared} bytes, more than the {MAX_MANIFEST_BYTES} "
+                "ckstore writes; it is corrupt"
+            )
+        reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
+        raw = reader.read(MAX_MANIFEST_BYTES + 1)
+        while len(raw) <= MAX_MANIFEST_BYTES:  # read() may return less than asked before the end
+            more = reader.read(MAX_MANIFEST_BYTES + 1 - len(raw))
+            if not more:
+                break
+            raw += more
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{where}the manifest does not decompress: {e}") from e
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise IntegrityError(f"{where}the manifest decompresses to more than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise IntegrityError(f"{where}the manifest is not valid JSON: {str(e)[:200]}") from e
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _field(obj: dict[str, Any], name: str, kind: type, where: str) -> Any:
+    if name not in obj:
+        raise IntegrityError(f"{where}the manifest lacks field {name!r}")
+    x = obj[name]
+    if not isinstance(x, kind) or (kind is int and isinstance(x, bool)):
+        raise IntegrityError(f"{where}field {name!r} is {_short(x)}, not {kind.__name__}")
+    return x
+
+
+def _ints(xs: list[Any], what: str) -> list[int]:
+    if not all(_is_int(x) and x >= 0 for x in xs):
+        raise IntegrityError(f"{what} {_short(xs)} is not a list of non-negative integers")
+    return xs
+
+
+def _digest(h: Any, where: str) -> bytes:
+    if not isinstance(h, str) or len(h) != 2 * DIGEST_SIZE:
+        raise IntegrityError(f"{where}chunk digest {_short(h)} is not {2 * DIGEST_SIZE} hex digits")
+    try:
+        d = bytes.fromhex(h)
+    except ValueError:
+        d = b""
+    if len(d) != DIGEST_SIZE:
+        raise IntegrityError(f"{where}chunk digest {_short(h)} is not hex")
+    return d
+
+
+def check_pieces(records: Sequence[TensorRecord], what: str) -> None:
+    """Refuse stored pieces of one global tensor that disagree or overlap.
+
+    Manifests are validated one by one when parsed; this checks what only their union shows:
+    the pieces of a sharded tensor share its dtype and global shape, and pieces at different
+    places never overlap (so counting the elements they cover proves a box is filled). Replicas
+    (same offsets and shape) are one piece. Cost: a sweep along the dim the pieces split most,
+    comparing only pieces that overlap along it.
+    """
+    if not records:
+        return
+    first = records[0]
+    assert first.shard is not None
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
+    for rec in records:
+        assert rec.shard is not None
+        if rec.dtype != first.dtype or rec.shard.global_shape != first.shard.global_shape:
+            raise IntegrityError(
+                f"{what}: its stored pieces disagree: {first.dtype} of global shape "
+                f"{list(first.shard.global_shape)} and {rec.dtype} of global shape {list(rec.shard.global_shape)}"
+            )
+        boxes[(rec.shard.offsets, rec.shape)] = None
+    placed = list(boxes)
+    if len(placed) < 2:
+        return
+    ndim = len(first.shape)
+    d = max(range(ndim), key=lambda i: len({o[i] for o, _ in placed}))
+    placed.sort(key=lambda b: b[0][d])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, shape in placed:
+        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
+        for aoff, ashape in active:
+            if all(max(o, ao) < min(o + n, ao + an) for o, n, ao, an in zip(off, shape, aoff, ashape)):
+                raise IntegrityError(
+                    f"{what}: stored pieces of shape {list(ashape)} at {list(aoff)} and of shape "
+                    f"{list(shape)} at {list(off)} overlap; the checkpoint's manifests are corrupt"
+                )
+        active.append((off, shape))
+

@@ -28,9 +28,9 @@ from typing import Any
 
 from ..blobstore import BlobStore
 from ..errors import IntegrityError
-from .codec import Frame
+from .codec import HEADER_SIZE, Frame, max_frame_length
 
-__all__ = ["PackWriter", "PackedChunk", "new_pack_key", "read_index", "PACK_HEADER"]
+__all__ = ["PackWriter", "PackedChunk", "new_pack_key", "read_index", "PACK_HEADER", "PACK_PREFIX"]
 
 PACK_MAGIC = b"CKPK"
 PACK_VERSION = 1
@@ -40,9 +40,13 @@ _INDEX_ENTRY = struct.Struct("<16sQII")
 _FOOTER = struct.Struct("<I4s")
 
 
+#: Every pack key starts with this; readers refuse catalog rows naming any other key.
+PACK_PREFIX = "packs/"
+
+
 def new_pack_key() -> str:
     h = uuid.uuid4().hex
-    return f"packs/{h[:2]}/{h}"
+    return f"{PACK_PREFIX}{h[:2]}/{h}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,13 +167,33 @@ class PackWriter:
 
 
 def read_index(data: bytes) -> list[tuple[bytes, int, int, int]]:
-    """Parse a whole pack's index: ``[(digest, offset, length, raw_len), …]``."""
-    if len(data) < len(PACK_HEADER) + _FOOTER.size or data[:4] != PACK_MAGIC:
+    """Parse a whole pack's index: ``[(digest, offset, length, raw_len), …]``.
+
+    Every count and span is checked against the pack's own length before anything is built:
+    each frame lies between the header and the index, and is no longer than a frame of its raw
+    length can be. Raises :class:`IntegrityError` naming what is wrong.
+    """
+    size = len(data)
+    if size < len(PACK_HEADER) + _FOOTER.size or bytes(data[:4]) != PACK_MAGIC:
         raise IntegrityError("not a ckstore pack (bad header)")
-    count, magic = _FOOTER.unpack_from(data, len(data) - _FOOTER.size)
+    if bytes(data[4:8]) != PACK_HEADER[4:]:
+        raise IntegrityError(f"pack format version {data[4]} is not supported by this ckstore (it reads {PACK_VERSION})")
+    count, magic = _FOOTER.unpack_from(data, size - _FOOTER.size)
     if magic != INDEX_MAGIC:
         raise IntegrityError("pack footer is damaged")
-    start = len(data) - _FOOTER.size - count * _INDEX_ENTRY.size
-    if start < len(PACK_HEADER):
-        raise IntegrityError("pack index is damaged")
-    return [_INDEX_ENTRY.unpack_from(data, start + i * _INDEX_ENTRY.size) for i in range(count)]
+    room = size - _FOOTER.size - len(PACK_HEADER)
+    if count * _INDEX_ENTRY.size > room:
+        raise IntegrityError(f"pack index claims {count} chunks, more than a pack of {size} bytes can hold")
+    start = size - _FOOTER.size - count * _INDEX_ENTRY.size
+    out = []
+    for i in range(count):
+        digest, offset, length, raw_len = _INDEX_ENTRY.unpack_from(data, start + i * _INDEX_ENTRY.size)
+        if offset < len(PACK_HEADER) or offset + length > start:
+            raise IntegrityError(
+                f"pack index entry {i} spans bytes [{offset}, {offset + length}), outside the frames "
+                f"[{len(PACK_HEADER)}, {start})"
+            )
+        if not HEADER_SIZE <= length <= max_frame_length(raw_len):
+            raise IntegrityError(f"pack index entry {i} has a {length}-byte frame for {raw_len} raw bytes")
+        out.append((digest, offset, length, raw_len))
+    return out

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import IntegrityError, UnsupportedValueError
 from ..layout import Shard
+from . import tree as tree_format
 
 __all__ = [
     "Leaf",
@@ -26,6 +27,7 @@ __all__ = [
     "dtype_name",
     "dtype_from_name",
     "itemsize",
+    "stored_itemsize",
     "raw_bytes",
     "stage_tensors",
     "to_device",
@@ -48,6 +50,25 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def itemsize(dtype: torch.dtype) -> int:
     return int(torch.empty((), dtype=dtype).element_size())
+
+
+_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+_stored_itemsizes: dict[str, int] = {}
+
+
+def stored_itemsize(name: str) -> int:
+    """The element size of dtype ``name`` as a manifest records it.
+
+    Raises :class:`IntegrityError` unless ``name`` is the canonical name (``dtype_name``) of a
+    dtype this torch has and ckstore stores (quantized dtypes are refused at commit).
+    """
+    size = _stored_itemsizes.get(name)
+    if size is None:
+        dt = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
+        if not isinstance(dt, torch.dtype) or dtype_name(dt) != name or name in _QUANTIZED:
+            raise IntegrityError(f"dtype {name[:40]!r} is not a dtype this torch ({torch.__version__}) stores")
+        size = _stored_itemsizes[name] = int(dt.itemsize)
+    return size
 
 
 def _check_storable(t: torch.Tensor, where: str) -> None:
@@ -246,23 +267,6 @@ def _plain_subclass(x: Any) -> bool:
     )
 
 
-def _decode_scalar(node: list[Any]) -> Any:
-    tag = node[0]
-    if tag == "n":
-        return None
-    if tag == "b":
-        return bool(node[1])
-    if tag == "i":
-        return int(node[1])
-    if tag == "f":
-        return float(node[1])
-    if tag == "s":
-        return str(node[1])
-    if tag == "y":
-        return base64.b64decode(node[1])
-    raise IntegrityError(f"unknown manifest node {tag!r}")
-
-
 def unflatten(
     tree: Any,
     tensor_at: Callable[[int], Any],
@@ -270,44 +274,31 @@ def unflatten(
     allow_pickle: bool = False,
     where: str = "",
 ) -> Any:
-    """Rebuild a state tree, fetching tensor ``i`` from ``tensor_at(i)``."""
+    """Rebuild a state tree, fetching tensor ``i`` from ``tensor_at(i)``.
 
-    def walk(node: Any, keys: tuple[Any, ...]) -> Any:
-        tag = node[0]
+    The tree is read by :func:`ckstore.format.tree.rebuild`; a malformed node raises
+    :class:`IntegrityError`, a pickled value without ``allow_pickle`` :class:`UnsupportedValueError`.
+    """
+
+    def leaf(keys: tuple[Any, ...], tag: str, node: Any) -> Any:
         if tag == "T":
             return tensor_at(int(node[1]))
-        if tag == "d":
-            return {_decode_scalar(k): walk(v, (*keys, _decode_scalar(k))) for k, v in node[1]}
-        if tag == "l":
-            return [walk(v, (*keys, i)) for i, v in enumerate(node[1])]
-        if tag == "t":
-            return tuple(walk(v, (*keys, i)) for i, v in enumerate(node[1]))
         if tag == "P":
             if not allow_pickle:
                 raise UnsupportedValueError(
                     f"{where}key {format_path(keys)!r} holds a pickled object; pickles can run code, "
                     "so checkout refuses them unless you pass allow_pickle=True"
                 )
-            return pickle.loads(base64.b64decode(node[1]))  # noqa: S301 - explicit opt-in
-        return _decode_scalar(node)
+            try:
+                data = base64.b64decode(node[1], validate=True)
+            except ValueError as e:
+                raise IntegrityError(f"{where}key {format_path(keys)!r}: the pickled value is not base64") from e
+            return pickle.loads(data)  # noqa: S301 - explicit opt-in
+        return tree_format.decode_scalar(node, where, keys)
 
-    return walk(tree, ())
+    return tree_format.rebuild(tree, leaf, where)
 
 
 def iter_tensor_paths(tree: Any) -> dict[int, tuple[Any, ...]]:
     """Map each tensor index in an encoded tree to its key path."""
-    out: dict[int, tuple[Any, ...]] = {}
-
-    def walk(node: Any, keys: tuple[Any, ...]) -> None:
-        tag = node[0]
-        if tag == "T":
-            out[int(node[1])] = keys
-        elif tag == "d":
-            for k, v in node[1]:
-                walk(v, (*keys, _decode_scalar(k)))
-        elif tag in ("l", "t"):
-            for i, v in enumerate(node[1]):
-                walk(v, (*keys, i))
-
-    walk(tree, ())
-    return out
+    return tree_format.tensor_paths(tree)

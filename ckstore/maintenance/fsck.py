@@ -28,7 +28,7 @@ from ..catalog import Catalog, utcnow
 from ..catalog._schema import COMMITTED
 from ..errors import BlobStoreError, IntegrityError
 from ..format import codec, hashing
-from ..format.manifest import Manifest
+from ..format.manifest import MAX_CHUNK_SIZE, Manifest, TensorRecord, check_pieces
 from .gc import (
     RUNS,
     TRASH,
@@ -133,9 +133,12 @@ def _verify_pack(
         if end > len(data):
             bad[d] = f"pack object {key} is {len(data)} bytes, the chunk ends at byte {end}"
             continue
-        out = np.empty(int(c.raw_size), dtype=np.uint8)
         try:
-            codec.decode_into(data[int(c.offset) : end], out.data)
+            frame = data[int(c.offset) : end]
+            if codec.raw_length(frame) != int(c.raw_size) or int(c.raw_size) > MAX_CHUNK_SIZE:
+                raise IntegrityError(f"its header holds {codec.raw_length(frame)} raw bytes, the catalog {c.raw_size}")
+            out = np.empty(int(c.raw_size), dtype=np.uint8)
+            codec.decode_into(frame, out.data)
         except IntegrityError as e:
             bad[d] = f"chunk frame in {key} at byte {c.offset} is corrupt: {e}"
             continue
@@ -240,9 +243,9 @@ def _walk_manifests(
     used_bad: set[bytes] = set()
     for ck in ckpts:
         refs = {
-            bytes(d)
-            for (d,) in conn.execute(
-                select(K.c.digest)
+            bytes(d): int(raw)
+            for (d, raw) in conn.execute(
+                select(K.c.digest, K.c.raw_size)
                 .select_from(R.join(K, K.c.id == R.c.chunk_id))
                 .where(R.c.checkpoint_id == ck.id)
             )
@@ -252,15 +255,29 @@ def _walk_manifests(
             .where(E.c.checkpoint_id == ck.id)
             .order_by(E.c.rank, E.c.id)
         )
+        pieces: dict[tuple[str, str], tuple[int, list[TensorRecord]]] = {}
         for e in entries:
             try:
-                man = Manifest.from_bytes(bytes(e.manifest))
+                man = Manifest.from_bytes(bytes(e.manifest), f"{ck.name}@{ck.step} rank {e.rank} {e.sub_key}")
             except IntegrityError as err:
                 damage.append(
                     Damage(ck.name, int(ck.step), int(e.rank), e.sub_key, "", "", "", str(err))
                 )
                 continue
             for t in man.tensors:
+                if t.shard is not None and t.nbytes:
+                    pieces.setdefault((e.sub_key, t.path), (int(e.rank), []))[1].append(t)
+            for t in man.tensors:
+                for i, d in enumerate(t.chunks):
+                    span = t.chunk_span(i)
+                    if d in refs and refs[d] != span[1] - span[0]:
+                        damage.append(
+                            Damage(
+                                ck.name, int(ck.step), int(e.rank), e.sub_key, t.path, d.hex(), "",
+                                f"the manifest needs {span[1] - span[0]} raw bytes of chunk {i}, the catalog "
+                                f"records {refs[d]}",
+                            )
+                        )  # fmt: skip
                 for d in dict.fromkeys(t.chunks):
                     if d in bad:
                         used_bad.add(d)
@@ -285,6 +302,11 @@ def _walk_manifests(
                                 "protects it from gc (and it may already be gone)",
                             )
                         )  # fmt: skip
+        for (sub_key, path), (rank, recs) in pieces.items():
+            try:
+                check_pieces(recs, f"{sub_key}, key {path!r}")
+            except IntegrityError as err:
+                damage.append(Damage(ck.name, int(ck.step), rank, sub_key, path, "", "", str(err)))
     return damage, used_bad
 
 
