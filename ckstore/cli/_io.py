@@ -16,7 +16,8 @@ from ._common import Ctx, byte_progress, console, handle_errors, human_bytes, pa
 @click.option("--split", is_flag=True, help="Make the file's top-level keys the sub-checkpoints.")
 @click.option("--metric", "metrics", multiple=True, metavar="NAME=VALUE", help="A metric to record (repeatable).")
 @click.option("--tag", "tags", multiple=True, help="A tag (repeatable).")
-@click.option("--allow-pickle", is_flag=True, help="Load and store Python objects in a torch.save file (runs its code).")
+@click.option("--allow-pickle", is_flag=True, help="Trust the file: unpickle Python objects in a torch.save file, or a DCP folder's "
+              ".metadata (runs code from it). Without it, pickled content is refused.")
 @pass_ctx
 @handle_errors
 def import_(
