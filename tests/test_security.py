@@ -233,3 +233,267 @@ def test_a_store_never_records_a_url_it_would_refuse_to_read(tmp_path: Path) -> 
         with pytest.raises(StoreConfigError, match="--catalog"):
             ckstore.init(tmp_path / "s", catalog=url)
         assert not (tmp_path / "s" / "ckstore.json").exists()
+
+
+# -- imports never unpickle without the trust flag ----------------------------------------------
+class _Marker:
+    """Unpickling this runs code: it creates the file ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return exec, (f"open({self.path!r}, 'w').close()",)
+
+
+def _evil_torch_file(tmp_path: Path, marker: Path) -> Path:
+    import torch
+
+    p = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "payload": _Marker(marker)}, p)
+    return p
+
+
+def _evil_dcp_folder(tmp_path: Path, marker: Path) -> Path:
+    """A real DCP folder whose .metadata pickle creates ``marker`` when loaded."""
+    import pickle
+
+    import torch
+
+    from ckstore.integrations.files import write_checkpoint
+
+    folder = tmp_path / "evil_dcp"
+    write_checkpoint({"w": torch.ones(4)}, str(folder), "dcp")
+    (folder / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    return folder
+
+
+def test_a_malicious_torch_file_runs_nothing_without_the_flag(tmp_path: Path, store: ckstore.Store) -> None:
+    from ckstore.integrations.files import import_checkpoint, read_checkpoint
+
+    marker = tmp_path / "pwned"
+    evil = _evil_torch_file(tmp_path, marker)
+    for call in (lambda: read_checkpoint(str(evil)), lambda: import_checkpoint(store, str(evil), 1)):
+        with pytest.raises(ckstore.UnsupportedValueError, match="allow_pickle=True") as e:
+            call()
+        assert "\n" not in str(e.value)
+        assert not marker.exists()
+    assert store.runs() == []
+    read_checkpoint(str(evil), allow_pickle=True)  # the control: trusted, its pickle does run
+    assert marker.exists()
+
+
+def test_a_malicious_dcp_folder_runs_nothing_without_the_flag(tmp_path: Path, store: ckstore.Store) -> None:
+    from ckstore.integrations.files import import_checkpoint, read_checkpoint
+
+    marker = tmp_path / "pwned"
+    evil = _evil_dcp_folder(tmp_path, marker)
+    for fmt in ("auto", "dcp"):
+        with pytest.raises(ckstore.UnsupportedValueError, match="allow_pickle=True") as e:
+            read_checkpoint(str(evil), fmt)
+        assert ".metadata" in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(ckstore.UnsupportedValueError, match="--allow-pickle"):
+            import_checkpoint(store, str(evil), 1, fmt=fmt)
+        assert not marker.exists()
+    assert store.runs() == []
+    with pytest.raises(ckstore.CkstoreError):  # the control: trusted, DCP's reader runs the pickle
+        read_checkpoint(str(evil), allow_pickle=True)
+    assert marker.exists()
+
+
+def test_cli_import_refuses_pickles_in_one_line(tmp_path: Path) -> None:
+    """Through a real process: exit status 2, one line naming the flag, and no code run."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    marker = tmp_path / "pwned"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("CKSTORE_STORE", None)
+    for evil in (_evil_dcp_folder(tmp_path, marker), _evil_torch_file(tmp_path, marker)):
+        res = subprocess.run(
+            [sys.executable, "-m", "ckstore", "--store", str(tmp_path / "s"), "import", str(evil), "--step", "1"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--allow-pickle" in lines[0] and "Traceback" not in res.stderr, res.stderr
+        assert not marker.exists()
+
+
+def test_safetensors_and_damaged_files_fail_in_one_line(tmp_path: Path) -> None:
+    from ckstore.integrations.files import read_checkpoint
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    with pytest.raises(StoreConfigError, match="cannot read .* as a safetensors file") as e:
+        read_checkpoint(str(bad))
+    assert "\n" not in str(e.value)
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(b"PK\x03\x04" + b"\0" * 40)
+    with pytest.raises(StoreConfigError, match="cannot read .* as a torch.save file") as e:
+        read_checkpoint(str(torn))
+    assert "\n" not in str(e.value)
+
+
+# -- deletes only in ckstore's own namespaces --------------------------------------------------
+def _insert_trash_rows(catalog_file: Path, keys: list[str]) -> None:
+    """What a hostile writer of the catalog does: plain SQL into the SQLite file."""
+    import sqlite3
+
+    with sqlite3.connect(catalog_file) as db:
+        db.executemany(
+            "INSERT INTO trash (key, created_at) VALUES (?, '2020-01-01 00:00:00.000000')", [(k,) for k in keys]
+        )
+
+
+def _assert_gc_refuses(store: ckstore.Store, foreign: str) -> None:
+    from ckstore.blobstore import NotOwnedError
+
+    with pytest.raises(NotOwnedError, match=f"refusing to delete '{foreign}'") as e:
+        store.gc(grace=0)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("foreign", ["ckstore.json", "catalog.db", "notes/README"])
+def test_a_trash_row_naming_a_foreign_key_deletes_nothing_on_a_local_store(
+    tmp_path: Path, foreign: str
+) -> None:
+    from helpers import assert_same, small_model_state
+
+    path = tmp_path / "s"
+    state = small_model_state()
+    with ckstore.open(path, run="exp") as store:
+        store.commit(1, {0: state})
+        (path / "notes").mkdir()
+        (path / "notes" / "README").write_text("not ckstore's")
+        before = {p: p.read_bytes() for p in (path / "ckstore.json", path / "notes" / "README")}
+        _insert_trash_rows(path / "catalog.db", [foreign, "packs/00/00000000000000000000000000000000"])
+        _assert_gc_refuses(store, foreign)
+    assert {p: p.read_bytes() for p in before} == before and (path / "catalog.db").exists()
+    with ckstore.open(path) as store:
+        assert_same(store.checkout("exp@1")[0], state)
+
+
+def test_a_link_in_the_packs_folder_never_leads_a_delete_outside(tmp_path: Path) -> None:
+    from ckstore.blobstore import NotOwnedError
+
+    path = tmp_path / "s"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "0123456789abcdef0123456789abcdef"
+    victim.write_text("someone else's file")
+    with ckstore.open(path, run="exp") as store:
+        (path / "packs").mkdir(exist_ok=True)
+        (path / "packs" / "01").symlink_to(outside, target_is_directory=True)
+        _insert_trash_rows(path / "catalog.db", [f"packs/01/{victim.name}"])
+        with pytest.raises(NotOwnedError, match="outside the store"):
+            store.gc(grace=0)
+    assert victim.read_text() == "someone else's file"
+
+
+@pytest.mark.s3
+def test_a_trash_row_naming_the_config_deletes_nothing_on_s3(tmp_path: Path, s3_server: object, s3_bucket: str) -> None:
+    import boto3
+
+    opts = s3_server.storage_options()  # type: ignore[attr-defined]
+    location = f"s3://{s3_bucket}/team"
+    catalog_file = tmp_path / "catalog.db"
+    with ckstore.open(location, catalog=f"sqlite:///{catalog_file}", run="exp", storage_options=opts) as store:
+        store.commit(1, {0: {"model_states": {"w": __import__("torch").ones(8)}}})
+        _insert_trash_rows(catalog_file, ["ckstore.json"])
+        _assert_gc_refuses(store, "ckstore.json")
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="eu-west-1",  # type: ignore[attr-defined]
+                          aws_access_key_id=opts["key"], aws_secret_access_key=opts["secret"])  # fmt: skip
+    assert client.get_object(Bucket=s3_bucket, Key="team/ckstore.json")["Body"].read()
+    with ckstore.open(location, storage_options=opts) as store:
+        assert store.resolve("exp@1").step == 1
+
+
+# -- gc never removes a live writer's temp file ----------------------------------------------
+_STALLED_COMMIT = """
+import sys, torch, ckstore
+store = ckstore.open(sys.argv[1], run="exp")
+state = {"model_states": {"w": torch.arange(400_000, dtype=torch.float32)}}
+stalled = []
+def progress(done, total):
+    if not stalled:  # the first chunk is in the pack's temp file, which is open: stall here
+        stalled.append(1)
+        print("stalled", flush=True)
+        assert sys.stdin.readline().strip() == "go"
+ck = store.commit(5, {0: state}, progress=progress)
+print("committed", ck.step, flush=True)
+"""
+
+
+def test_gc_never_removes_the_temp_file_of_a_stalled_commit(tmp_path: Path) -> None:
+    """A commit in another process stalls with its pack's temp file open, far past grace 0,
+    while gc and fsck --repair run; it then completes, and its checkpoint reads back whole."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    path = tmp_path / "s"
+    ckstore.init(path, chunk_size=64 * 1024).close()
+    root = Path(__file__).resolve().parent.parent
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_COMMIT, str(path)], env={**os.environ, "PYTHONPATH": str(root)},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline().strip()
+        assert line == "stalled", (line, child.stderr.read() if child.stderr else "")
+        live = sorted((path / "tmp").iterdir())
+        assert len(live) == 1 and live[0].stat().st_size > 0
+        # a leftover of a writer that is gone (nothing holds it): the control that the sweep runs
+        leftover = path / "tmp" / "0123456789abcdef0123456789abcdef.part"
+        leftover.write_bytes(b"half a pack")
+        with ckstore.open(path) as store:
+            report = store.fsck(grace=0)
+            assert report.temp_files == (str(leftover),) and report.pending  # the live one is not stale
+            assert store.gc(grace=0).temp_files_deleted == 1
+            assert store.fsck(repair=True, grace=0).repaired_temp_files == 0
+        assert not leftover.exists() and live[0].exists()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        assert out.strip() == "committed 5"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    with ckstore.open(path) as store:
+        got = store.checkout("exp@5")[0]["model_states"]["w"]
+        assert torch.equal(got, torch.arange(400_000, dtype=torch.float32))
+        assert store.fsck(deep=True).ok
+    assert list((path / "tmp").iterdir()) == []
+
+
+def test_a_temp_file_is_locked_from_the_moment_it_exists(tmp_path: Path) -> None:
+    """Within one process too: the sweep opens its own descriptor, which the writer's lock
+    excludes; once the writer is done, nothing is left to sweep."""
+    import time
+
+    from ckstore.blobstore import LocalBlobStore
+
+    blobs = LocalBlobStore(tmp_path / "b")
+    with blobs.writer("packs/aa/x") as w:
+        w.write(b"partial")
+        held = blobs.stale_temp_files(time.time() + 60)
+        assert held == []
+        (temp,) = (tmp_path / "b" / "tmp").iterdir()
+        assert blobs.discard_temp_files([str(temp)]) == 0 and temp.exists()
+    assert blobs.read("packs/aa/x") == b"partial"
+    assert list((tmp_path / "b" / "tmp").iterdir()) == []
+    from ckstore.blobstore import NotOwnedError
+
+    outside = tmp_path / "elsewhere.part"
+    outside.write_bytes(b"x")
+    with pytest.raises(NotOwnedError):
+        blobs.discard_temp_files([str(outside)])
+    assert outside.exists()
