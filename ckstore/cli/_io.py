@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import Ctx, byte_progress, console, handle_errors, human_bytes, pass_ctx
+from ._common import Ctx, byte_progress, console, esc, handle_errors, human_bytes, pass_ctx
 
 
 @click.command("import")
@@ -43,7 +43,8 @@ def import_(
             tags=tags, allow_pickle=allow_pickle, progress=progress,
         )  # fmt: skip
     console.print(
-        f"imported {path} as {ck.ref}: {human_bytes(ck.logical_bytes)} logical, {human_bytes(ck.stored_bytes_added)} new"
+        f"imported {esc(path)} as {esc(ck.ref)}: {human_bytes(ck.logical_bytes)} logical, "
+        f"{human_bytes(ck.stored_bytes_added)} new"
     )
 
 
@@ -64,7 +65,7 @@ def export(obj: Ctx, ref: str, path: str, fmt: str, rank: int, sub_key: str | No
         ck = export_checkpoint(
             obj.open(), ref, path, fmt=fmt, rank=rank, sub_key=sub_key, allow_pickle=allow_pickle, progress=progress
         )
-    console.print(f"exported {ck.ref} to {path} ({fmt})")
+    console.print(f"exported {esc(ck.ref)} to {esc(path)} ({fmt})")
 
 
 COMMANDS = [import_, export]
