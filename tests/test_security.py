@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from services import S3Server
 
 import ckstore
 from ckstore.errors import CatalogError, StoreConfigError
@@ -394,17 +395,18 @@ def test_a_link_in_the_packs_folder_never_leads_a_delete_outside(tmp_path: Path)
 
 
 @pytest.mark.s3
-def test_a_trash_row_naming_the_config_deletes_nothing_on_s3(tmp_path: Path, s3_server: object, s3_bucket: str) -> None:
+def test_a_trash_row_naming_the_config_deletes_nothing_on_s3(tmp_path: Path, s3_server: S3Server, s3_bucket: str) -> None:
     import boto3
+    import torch
 
-    opts = s3_server.storage_options()  # type: ignore[attr-defined]
+    opts = s3_server.storage_options()
     location = f"s3://{s3_bucket}/team"
     catalog_file = tmp_path / "catalog.db"
     with ckstore.open(location, catalog=f"sqlite:///{catalog_file}", run="exp", storage_options=opts) as store:
-        store.commit(1, {0: {"model_states": {"w": __import__("torch").ones(8)}}})
+        store.commit(1, {0: {"model_states": {"w": torch.ones(8)}}})
         _insert_trash_rows(catalog_file, ["ckstore.json"])
         _assert_gc_refuses(store, "ckstore.json")
-    client = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="eu-west-1",  # type: ignore[attr-defined]
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="eu-west-1",
                           aws_access_key_id=opts["key"], aws_secret_access_key=opts["secret"])  # fmt: skip
     assert client.get_object(Bucket=s3_bucket, Key="team/ckstore.json")["Body"].read()
     with ckstore.open(location, storage_options=opts) as store:
