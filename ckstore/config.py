@@ -1,20 +1,21 @@
 """A store's own settings, kept in ``ckstore.json`` at the root of its blob store.
 
 Recorded once when the store is created, so ``ckstore.open(location)`` needs nothing else. The
-catalog URL is kept as given and may refer to environment variables (``${PGPASSWORD}``);
-a literal password is refused, so secrets never land in the store.
+catalog URL is kept as given and may refer to an environment variable as its password
+(``${PGPASSWORD}``, ``${CKSTORE_…}``); a literal password is refused, so secrets never land in the
+store. The rules for catalog URLs live in :mod:`ckstore.urls`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
 from .errors import StoreConfigError
+from .urls import check_no_secret, check_storable
+from .urls import expand_given as expand
 
 __all__ = [
     "StoreConfig",
@@ -43,6 +44,9 @@ class StoreConfig:
     created_at: str = ""
 
     def validate(self) -> StoreConfig:
+        """Check the settings. A catalog URL read back from a store is checked when it is used
+        (:func:`ckstore.urls.expand_stored`), so ``--catalog`` still opens a store whose recorded
+        URL is refused."""
         if self.format_version != FORMAT_VERSION:
             raise StoreConfigError(
                 f"store format version {self.format_version} is not supported by this ckstore (it reads "
@@ -56,8 +60,8 @@ class StoreConfig:
             raise StoreConfigError(f"compression_level must be a zstd level (-5..22), got {self.compression_level}")
         if self.lease_seconds <= 0:
             raise StoreConfigError(f"lease_seconds must be positive, got {self.lease_seconds}")
-        if self.catalog:
-            check_no_secret(self.catalog)
+        if self.catalog is not None and not isinstance(self.catalog, str):
+            raise StoreConfigError(f"catalog must be a URL string or null, got {type(self.catalog).__name__}")
         return self
 
     def to_bytes(self) -> bytes:
@@ -69,41 +73,13 @@ class StoreConfig:
             obj: dict[str, Any] = json.loads(data)
             known = {k: v for k, v in obj.items() if k in cls.__dataclass_fields__}
             return cls(**known).validate()
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, AttributeError) as e:
             raise StoreConfigError(f"{where}/{CONFIG_KEY} is not a valid ckstore config: {e}") from e
 
     @classmethod
     def new(cls, **settings: Any) -> StoreConfig:
         given = {k: v for k, v in settings.items() if v is not None}
-        return replace(cls(), created_at=datetime.now(timezone.utc).isoformat(), **given).validate()
-
-
-_ENV_REF = re.compile(r"^\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)$")
-
-
-def check_no_secret(url: str) -> None:
-    """Refuse a URL with a literal password; ``${VAR}`` references are fine."""
-    m = re.match(r"^[a-z0-9+]+://([^/@]*)@", url)
-    if not m or ":" not in m.group(1):
-        return
-    password = m.group(1).split(":", 1)[1]
-    if password and not _ENV_REF.match(password):
-        raise StoreConfigError(
-            "the catalog URL holds a literal password, which ckstore would write into the store's "
-            "config; refer to an environment variable instead (postgresql+psycopg://user:${PGPASSWORD}@host/db) "
-            "or leave the password out and use ~/.pgpass or PGPASSWORD"
-        )
-
-
-_ANY_ENV_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def expand(url: str) -> str:
-    """``url`` with ``$VAR`` / ``${VAR}`` replaced from the environment; an unset one is an error."""
-    missing = [a or b for a, b in _ANY_ENV_REF.findall(url) if (a or b) not in os.environ]
-    if missing:
-        raise StoreConfigError(
-            f"the catalog URL refers to the environment variable {missing[0]}, which is not set; "
-            "set it (or pass another catalog URL with --catalog / catalog=)"
-        )
-    return os.path.expandvars(url)
+        new = replace(cls(), created_at=datetime.now(timezone.utc).isoformat(), **given).validate()
+        if new.catalog:
+            check_storable(new.catalog)
+        return new

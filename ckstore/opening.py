@@ -13,10 +13,10 @@ from typing import Any
 
 from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, open_blobstore
 from .catalog import Catalog
-from .catalog._engine import redact
-from .config import CONFIG_KEY, StoreConfig, check_no_secret, expand
+from .config import CONFIG_KEY, StoreConfig
 from .errors import AlreadyExistsError, StoreConfigError
 from .store import Store
+from .urls import check_storable, expand_given, expand_stored, redact
 
 __all__ = ["open", "init", "read_config", "catalog_url"]
 
@@ -30,10 +30,12 @@ def read_config(blobs: BlobStore) -> StoreConfig | None:
 
 
 def catalog_url(location: str, blobs: BlobStore, config: StoreConfig, catalog: str | None) -> str:
+    """The catalog URL to connect to, expanded: ``catalog`` as the user gave it, else the URL the
+    store records, under the stricter rule for URLs read from a store (see :mod:`ckstore.urls`)."""
     if catalog:
-        return expand(catalog)
+        return expand_given(catalog)
     if config.catalog:
-        return expand(config.catalog)
+        return expand_stored(config.catalog, location)
     if not blobs.is_local:
         raise StoreConfigError(
             f"store {location} has no catalog URL recorded; an object-store location needs a shared "
@@ -84,7 +86,7 @@ def _open(
     if not create:
         raise StoreConfigError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
     if catalog:
-        check_no_secret(catalog)
+        check_storable(catalog)
     if not blobs.is_local and not catalog:
         raise StoreConfigError(
             f"an object-store location needs a shared catalog: ckstore.open({loc!r}, "

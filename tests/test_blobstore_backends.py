@@ -39,7 +39,8 @@ class TestMemory(BlobStoreConformance):
     def blobs(self) -> Iterator[BlobStore]:
         store = FsspecBlobStore(f"memory://ckstore-test-{uuid.uuid4().hex}")
         yield store
-        store.delete(i.key for i in store.list())
+        if store.fs.exists(store.root):
+            store.fs.rm(store.root, recursive=True)
 
 
 @pytest.mark.s3

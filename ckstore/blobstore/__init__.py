@@ -10,13 +10,23 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import StoreConfigError
-from ._base import BlobExistsError, BlobInfo, BlobNotFoundError, BlobStats, BlobStore
+from ._base import (
+    OWNED_PREFIXES,
+    BlobExistsError,
+    BlobInfo,
+    BlobNotFoundError,
+    BlobStats,
+    BlobStore,
+    NotOwnedError,
+)
 from ._fsspec import S3_CONFIG_DEFAULTS, FsspecBlobStore
 from ._local import LocalBlobStore
 
 __all__ = [
     "BlobNotFoundError",
     "BlobExistsError",
+    "NotOwnedError",
+    "OWNED_PREFIXES",
     "BlobInfo",
     "BlobStats",
     "BlobStore",

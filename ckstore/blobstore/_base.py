@@ -17,7 +17,11 @@ Contract for every implementation
   one store at once agree on its settings.
 * :meth:`BlobStore.read` returns exactly the bytes asked for or raises
   :class:`BlobNotFoundError` / :class:`~ckstore.errors.BlobStoreError`.
-* :meth:`BlobStore.delete` ignores keys that are already gone.
+* :meth:`BlobStore.delete` ignores keys that are already gone, and refuses (with
+  :class:`NotOwnedError`, before deleting any key of the call) every key outside the namespaces
+  ckstore owns, :data:`OWNED_PREFIXES`: a catalog row naming ``ckstore.json`` or a foreign object
+  never deletes it. Leftover temp files are removed only through
+  :meth:`BlobStore.discard_temp_files`, and only ones a live writer does not hold.
 * Every method may be called from many threads at once.
 * A backend that talks to a server never waits forever: requests time out, transient failures
   (connection refused or reset, timeouts, throttling, 5xx answers) are retried a bounded number
@@ -40,8 +44,21 @@ from typing import IO, Any
 
 from ..errors import BlobStoreError
 
-__all__ = ["BlobNotFoundError", "BlobExistsError", "BlobInfo", "BlobStats", "BlobStore", "check_key"]
+__all__ = [
+    "BlobNotFoundError",
+    "BlobExistsError",
+    "NotOwnedError",
+    "BlobInfo",
+    "BlobStats",
+    "BlobStore",
+    "OWNED_PREFIXES",
+    "check_key",
+    "check_deletable",
+]
 
+#: The key namespaces ckstore writes objects to and may delete from: packs (``docs/format.md``).
+#: The store's config (``ckstore.json``), a local catalog and anything else are never deleted.
+OWNED_PREFIXES = ("packs/",)
 
 
 class BlobNotFoundError(BlobStoreError, FileNotFoundError):
@@ -50,6 +67,10 @@ class BlobNotFoundError(BlobStoreError, FileNotFoundError):
 
 class BlobExistsError(BlobStoreError, FileExistsError):
     """An exclusive put found its key already taken."""
+
+
+class NotOwnedError(BlobStoreError, PermissionError):
+    """A delete named a key outside the namespaces ckstore owns (:data:`OWNED_PREFIXES`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +164,11 @@ class BlobStore(ABC):
         return data
 
     def delete(self, keys: Iterable[str]) -> int:
-        """Delete ``keys``; returns how many were asked for. Missing keys are ignored."""
+        """Delete ``keys``; returns how many were asked for. Missing keys are ignored. A key
+        outside :data:`OWNED_PREFIXES` raises :class:`NotOwnedError` and nothing is deleted."""
         keys = list(keys)
+        for key in keys:
+            check_deletable(key, self.url)
         if keys:
             self._delete(keys)
             self.stats.add(deletes=len(keys))
@@ -200,3 +224,13 @@ def check_key(key: str) -> None:
     if not key or key.startswith("/") or ".." in key.split("/") or "\\" in key:
         raise BlobStoreError(f"invalid blob key {key!r}")
 
+
+def check_deletable(key: str, where: str = "the store") -> None:
+    """Refuse to delete ``key`` unless it lies in a namespace ckstore owns."""
+    check_key(key)
+    if not any(key.startswith(p) and len(key) > len(p) for p in OWNED_PREFIXES):
+        raise NotOwnedError(
+            f"refusing to delete {key!r} from {where}: ckstore deletes only its own objects "
+            f"(under {', '.join(OWNED_PREFIXES)}); whatever named this key (a catalog row) is damaged "
+            "or was tampered with. Check the store with `ckstore fsck`"
+        )

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..errors import BlobStoreError, StoreConfigError
-from ._base import BlobExistsError, BlobInfo, BlobNotFoundError, BlobStore, check_key
+from ._base import BlobExistsError, BlobInfo, BlobNotFoundError, BlobStore, NotOwnedError, check_key
 from ._retry import retry
 
 __all__ = ["FsspecBlobStore", "S3_CONFIG_DEFAULTS"]
@@ -256,9 +256,13 @@ class FsspecBlobStore(BlobStore):
         return path[len(prefix) :] if path.startswith(prefix) else None
 
     def discard_temp_files(self, handles: Sequence[str]) -> int:
+        """Abort the unfinished uploads in ``handles`` (never a visible object), each one under
+        this store's prefix."""
         n = 0
         for h in handles:
             path, _, upload_id = h.partition("\n")
+            if self.temp_file_key(h) is None:
+                raise NotOwnedError(f"refusing to abort the upload of {path!r}: not under {self.url}")
             bucket, _, key = path.partition("/")
             try:
                 self._call(

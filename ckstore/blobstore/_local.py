@@ -1,15 +1,33 @@
-"""Objects as files in a local folder (or a shared file system mounted on every node)."""
+"""Objects as files in a local folder (or a shared file system mounted on every node).
+
+Writes go through a temp file under ``tmp/``, which the writer holds an exclusive ``flock`` on
+from the moment it exists until it is renamed into place or removed. The stale-temp sweep
+(:meth:`LocalBlobStore.stale_temp_files`, :meth:`LocalBlobStore.discard_temp_files`) skips every
+file it cannot lock, and removes a file only while holding its lock, so however long a live
+writer stalls, gc never deletes its temp file; a killed writer's lock dies with it. On a file
+system without working locks (some FUSE mounts) the grace period is the only protection.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO
 
 from ..errors import BlobStoreError
-from ._base import BlobExistsError, BlobInfo, BlobNotFoundError, BlobStore, check_key
+from ._base import (
+    OWNED_PREFIXES,
+    BlobExistsError,
+    BlobInfo,
+    BlobNotFoundError,
+    BlobStore,
+    NotOwnedError,
+    check_key,
+)
 
 __all__ = ["LocalBlobStore"]
 
@@ -32,40 +50,51 @@ class LocalBlobStore(BlobStore):
         check_key(key)
         return os.path.join(self.root, *key.split("/"))
 
+    def _open_temp(self) -> tuple[str, IO[bytes]]:
+        """A new temp file, open and locked. The sweep may lock and remove a file in the instant
+        between its creation and the writer's lock; the writer then sees another file (or none)
+        under the name and starts over with a new one."""
+        while True:
+            tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
+            f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed by the caller
+            try:
+                if not _lock(f.fileno(), wait=True) or _same_file(tmp, f.fileno()):
+                    return tmp, f
+            except BaseException:
+                f.close()
+                raise
+            f.close()
+
     @contextmanager
     def _writer(self, key: str) -> Iterator[IO[bytes]]:
         path = self._path(key)
-        tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
-        f = open(tmp, "wb", buffering=0)
+        tmp, f = self._open_temp()
         try:
-            yield f
-            if self.fsync:
-                os.fdatasync(f.fileno())
-            f.close()
-            parent = os.path.dirname(path)
-            if not os.path.isdir(parent):
-                os.makedirs(parent, exist_ok=True)
-                if self.fsync:
-                    _fsync_dir(os.path.dirname(parent))
-            os.replace(tmp, path)
-            if self.fsync:
-                _fsync_dir(parent)
-        except BaseException:
-            f.close()
             try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+                yield f
+                if self.fsync:
+                    os.fdatasync(f.fileno())
+                parent = os.path.dirname(path)
+                if not os.path.isdir(parent):
+                    os.makedirs(parent, exist_ok=True)
+                    if self.fsync:
+                        _fsync_dir(os.path.dirname(parent))
+                os.replace(tmp, path)  # still locked: the sweep never sees a half-renamed file
+                if self.fsync:
+                    _fsync_dir(parent)
+            except BaseException:
+                _unlink(tmp)
+                raise
+        finally:
+            f.close()
 
     def _put_exclusive(self, key: str, data: memoryview) -> None:
         path = self._path(key)
-        tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
+        tmp, f = self._open_temp()
         try:
-            with open(tmp, "wb", buffering=0) as f:
-                f.write(data)
-                if self.fsync:
-                    os.fdatasync(f.fileno())
+            f.write(data)
+            if self.fsync:
+                os.fdatasync(f.fileno())
             parent = os.path.dirname(path)
             os.makedirs(parent, exist_ok=True)
             try:
@@ -75,10 +104,8 @@ class LocalBlobStore(BlobStore):
             if self.fsync:
                 _fsync_dir(parent)
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink(tmp)
+            f.close()
 
     def _read(self, key: str, start: int, end: int | None) -> bytes:
         path = self._path(key)
@@ -101,11 +128,17 @@ class LocalBlobStore(BlobStore):
         return data
 
     def _delete(self, keys: Sequence[str]) -> None:
+        owned = [os.path.realpath(os.path.join(self.root, p.rstrip("/"))) for p in OWNED_PREFIXES]
         for key in keys:
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
+            path = self._path(key)
+            # a namespace folder replaced by a link must not lead a delete out of the store
+            where = os.path.realpath(os.path.dirname(path))
+            if not any(where == o or where.startswith(o + os.sep) for o in owned):
+                raise NotOwnedError(
+                    f"refusing to delete {key!r} from {self.url}: its folder resolves to {where}, "
+                    "outside the store's own namespaces (a link was put in the store)"
+                )
+            _unlink(path)
 
     def _list(self, prefix: str) -> Iterator[BlobInfo]:
         base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
@@ -127,25 +160,85 @@ class LocalBlobStore(BlobStore):
         return os.path.isfile(self._path(key))
 
     def stale_temp_files(self, older_than: float) -> list[str]:
+        """Temp files older than ``older_than`` that no live writer holds."""
         out = []
         for name in os.listdir(self._tmp):
             p = os.path.join(self._tmp, name)
             try:
-                if os.stat(p).st_mtime < older_than:
+                if os.stat(p).st_mtime < older_than and _with_lock(p, lambda: None):
                     out.append(p)
             except FileNotFoundError:
                 pass
         return out
 
     def discard_temp_files(self, handles: Sequence[str]) -> int:
+        """Remove the temp files in ``handles`` that lie in this store's ``tmp/`` folder and that
+        no live writer holds (each checked again, under its lock)."""
         n = 0
         for p in handles:
-            try:
-                os.unlink(p)
+            if os.path.dirname(os.path.abspath(p)) != self._tmp:
+                raise NotOwnedError(f"refusing to remove {p!r}: not a temp file of {self.url}")
+            if _with_lock(p, lambda p=p: os.unlink(p)):  # type: ignore[misc]
                 n += 1
-            except FileNotFoundError:
-                pass
         return n
+
+
+def _lock(fd: int, *, wait: bool) -> bool:
+    """Take an exclusive ``flock`` on ``fd``: True when held, False on a file system without
+    locks; raises :class:`BlockingIOError` when another holds it and ``wait`` is False."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
+            return False
+        raise
+    return True
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _with_lock(path: str, action: Callable[[], None]) -> bool:
+    """Run ``action`` holding ``path``'s lock, if no live writer holds it and ``path`` still names
+    the file locked; returns whether it ran."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except PermissionError:  # another user's file: a read-only descriptor locks it too (flock)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            _lock(fd, wait=False)
+        except BlockingIOError:
+            return False  # a live writer holds it
+        if not _same_file(path, fd):
+            return False
+        try:
+            action()
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _fsync_dir(path: str) -> None:

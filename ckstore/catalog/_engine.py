@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import QueuePool
 
 from ..errors import CatalogError, SchemaVersionError
+from ..urls import redact, scrub
 from ._schema import Base
 
 __all__ = [
@@ -31,16 +32,6 @@ __all__ = [
 _WRITE = "ckstore_write"
 # advisory lock key shared by commits (shared mode) and gc sweeps (exclusive mode)
 GC_LOCK_KEY = 0x636B73746F7265  # "ckstore"
-
-
-def redact(url: str) -> str:
-    """A catalog URL with any password hidden, for messages and logs."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - not a URL we can parse; show it as given
-        return url
 
 
 # libpq settings a PostgreSQL catalog starts from (a URL's own ``?connect_timeout=`` wins): give
@@ -89,7 +80,7 @@ def make_engine(url: str) -> Engine:
         else:
             engine = create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=8)
     except Exception as e:  # noqa: BLE001 - bad URL, missing driver
-        raise CatalogError(f"cannot open catalog {redact(url)}: {e}") from e
+        raise CatalogError(f"cannot open catalog {redact(url)}: {scrub(str(e))}") from e
     _forget_in_forked_children(engine)
     return engine
 
@@ -183,7 +174,7 @@ def check_schema(engine: Engine, upgrade_hint: str) -> None:
     except SchemaVersionError:
         raise
     except Exception as e:  # noqa: BLE001 - connection refused, permissions, …
-        raise CatalogError(f"cannot open catalog {redact(str(engine.url))}: {e}") from e
+        raise CatalogError(f"cannot open catalog {redact(str(engine.url))}: {scrub(str(e))}") from e
     head = head_revision(engine)
     if current == head:
         return

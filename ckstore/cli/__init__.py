@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import click
 
-from ._common import Ctx
+from ._common import Ctx, ErrorHandlingGroup
 
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=ErrorHandlingGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.option(
     "--store",
     "-s",
@@ -25,7 +27,10 @@ __all__ = ["main"]
 @click.version_option(package_name="ckstore")
 @click.pass_context
 def main(ctx: click.Context, store: str | None, catalog: str | None, run: str | None) -> None:
-    """ckstore: a content-addressed checkpoint store for PyTorch training."""
+    """ckstore: a content-addressed checkpoint store for PyTorch training.
+
+    Errors print one line and exit with status 2 (CKSTORE_DEBUG=1 shows the traceback).
+    """
     ctx.obj = Ctx(store, catalog, run)
 
 

@@ -1,4 +1,14 @@
-"""Shared CLI plumbing: the store option, error rendering and formatting helpers."""
+"""Shared CLI plumbing: the store option, error rendering and formatting helpers.
+
+Two rules every command keeps:
+
+* every string that comes from the user or the store (run names, keys, sub-keys, metric names,
+  tags, kinds, refs, locations, error messages) goes through :func:`esc` before rich sees it, so
+  ``[/]`` never crashes a command and ``[bold red]`` or ``[link=…]`` print as typed;
+* every error ends the command with one line on stderr and exit status 2 (:func:`fail`), never a
+  traceback, so that ``diff`` (0 same, 1 different) and ``fsck`` (1 damage) stay scriptable.
+  ``CKSTORE_DEBUG=1`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +19,29 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from ..errors import CkstoreError
+from ..urls import scrub
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
 def _console(stderr: bool = False) -> Console:
-    c = Console(stderr=stderr, highlight=False)
+    # no emoji codes (a key named ":smile:" prints as typed) and no guessing at highlights
+    c = Console(stderr=stderr, highlight=False, emoji=False)
     if not c.is_terminal:  # pipes and logs: wide enough for a log table, never wrapped at 80
-        c = Console(stderr=stderr, highlight=False, width=200)
+        c = Console(stderr=stderr, highlight=False, emoji=False, width=200)
     return c
+
+
+def esc(value: object) -> str:
+    """``value`` as text rich prints literally (markup escaped)."""
+    return escape(str(value))
 
 
 console = _console()
@@ -56,18 +75,60 @@ class Ctx:
 pass_ctx = click.make_pass_decorator(Ctx)
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line, with any secret in a URL redacted."""
+    return scrub(" ".join(part.strip() for part in text.strip().splitlines() if part.strip()))
+
+
+def describe_error(e: BaseException) -> str:
+    """The one line an error prints as."""
+    if isinstance(e, CkstoreError):
+        return f"{type(e).__name__}: {one_line(str(e))}"
+    from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+    if isinstance(e, DBAPIError) and e.orig is not None:  # the driver's words, not the SQL
+        first = (str(e.orig).strip().splitlines() or [""])[0]
+        return f"catalog error: {type(e.orig).__name__}: {one_line(first)}"
+    if isinstance(e, SQLAlchemyError):
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"catalog error: {type(e).__name__}: {one_line(first)}"
+    if isinstance(e, OSError):
+        return f"{type(e).__name__}: {one_line(str(e))}"
+    return f"unexpected {type(e).__name__}: {one_line(str(e))} (CKSTORE_DEBUG=1 shows the traceback)"
+
+
+def fail(e: BaseException) -> NoReturn:
+    """Print ``e`` as one line on stderr and exit with status 2."""
+    err_console.print(f"[bold red]error:[/] {esc(describe_error(e))}", soft_wrap=True)
+    sys.exit(2)
+
+
+def _passes_through(e: BaseException) -> bool:
+    # click's own exits and usage errors (exit 2 already), and diff's / fsck's deliberate exits
+    return isinstance(e, (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort))
+
+
 def handle_errors(fn: F) -> F:
-    """Turn ckstore errors into a one-line message and exit status 2."""
+    """Turn every error into a one-line message and exit status 2 (see the module docstring)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except CkstoreError as e:
-            err_console.print(f"[bold red]error:[/] {type(e).__name__}: {e}", soft_wrap=True)
-            sys.exit(2)
+        except Exception as e:  # noqa: BLE001 - the CLI's boundary: nothing escapes as a traceback
+            if _passes_through(e) or os.environ.get("CKSTORE_DEBUG") == "1":
+                raise
+            fail(e)
 
     return wrapper  # type: ignore[return-value]
+
+
+class ErrorHandlingGroup(click.Group):
+    """A command group whose subcommands (and their own subgroups) all end errors as
+    :func:`handle_errors` does, whether or not each one is decorated."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return handle_errors(super().invoke)(ctx)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from rich.tree import Tree
 from ._common import (
     Ctx,
     console,
+    esc,
     fmt_metric,
     handle_errors,
     human_bytes,
@@ -47,11 +48,13 @@ def init(
         pack_size=pack_size,
         compression_level=compression_level,
     )
+    from ..urls import redact
+
     cfg = store.config
-    console.print(f"created store [bold]{loc}[/]")
-    console.print(f"  catalog     {cfg.catalog or 'sqlite (catalog.db in the store folder)'}")
+    console.print(f"created store [bold]{esc(loc)}[/]")
+    console.print(f"  catalog     {esc(redact(cfg.catalog)) if cfg.catalog else 'sqlite (catalog.db in the store folder)'}")
     console.print(f"  chunk size  {human_bytes(cfg.chunk_size)}, packs of {human_bytes(cfg.pack_size)}")
-    console.print(f"use it with: ckstore --store {loc} log   or   ckstore.open({loc!r}, run='NAME')")
+    console.print(f"use it with: ckstore --store {esc(loc)} log   or   ckstore.open({esc(repr(loc))}, run='NAME')")
 
 
 @click.command()
@@ -80,17 +83,20 @@ def runs(obj: Ctx, as_json: bool) -> None:
     if not items:
         console.print("no runs yet")
         return
-    table = Table(title=f"runs in {store.location}")
+    table = Table(title=f"runs in {esc(store.location)}")
     for col in ("run", "checkpoints", "latest step", "created", "forked from"):
         table.add_column(col, justify="right" if col in ("checkpoints", "latest step") else "left")
     for r in items:
-        table.add_row(r.name, str(r.checkpoints), "-" if r.latest_step is None else str(r.latest_step), human_time(r.created_at), r.parent or "")
+        table.add_row(
+            esc(r.name), str(r.checkpoints), "-" if r.latest_step is None else str(r.latest_step),
+            human_time(r.created_at), esc(r.parent or ""),
+        )  # fmt: skip
     console.print(table)
 
 
 def log_table(store: Any, run: str | None, checkpoints: list[Any], extra: dict[int, dict[str, str]] | None = None) -> Table:
     metric_names = list(dict.fromkeys(k for c in checkpoints for k in c.metrics))
-    title = f"run {run}" if run else f"all runs in {store.location}"
+    title = f"run {esc(run)}" if run else f"all runs in {esc(store.location)}"
     table = Table(title=title)
     if not run:
         table.add_column("run")
@@ -98,7 +104,7 @@ def log_table(store: Any, run: str | None, checkpoints: list[Any], extra: dict[i
     table.add_column("kind")
     table.add_column("committed")
     for m in metric_names:
-        table.add_column(m, justify="right")
+        table.add_column(esc(m), justify="right")
     table.add_column("tags")
     table.add_column("logical", justify="right")
     table.add_column("new bytes", justify="right")
@@ -106,11 +112,11 @@ def log_table(store: Any, run: str | None, checkpoints: list[Any], extra: dict[i
     for col in extra_cols:
         table.add_column(col, justify="right")
     for c in checkpoints:
-        row = [] if run else [c.run]
-        row += [str(c.step), c.kind, human_time(c.committed_at)]
+        row = [] if run else [esc(c.run)]
+        row += [str(c.step), esc(c.kind), human_time(c.committed_at)]
         row += [fmt_metric(c.metrics[m]) if m in c.metrics else "" for m in metric_names]
-        row += [", ".join(c.tags), human_bytes(c.logical_bytes), human_bytes(c.stored_bytes_added)]
-        row += [extra[c.id].get(col, "") for col in extra_cols] if extra else []
+        row += [esc(", ".join(c.tags)), human_bytes(c.logical_bytes), human_bytes(c.stored_bytes_added)]
+        row += [esc(extra[c.id].get(col, "")) for col in extra_cols] if extra else []
         table.add_row(*row)
     return table
 
@@ -138,12 +144,12 @@ def log(obj: Ctx, run: str | None, as_json: bool, limit: int | None, changes: bo
         print_json([{**c.to_json(), **({"changes": docs[c.id]} if docs is not None else {})} for c in ckpts])
         return
     if not ckpts:
-        console.print(f"no checkpoints in {'run ' + run if run else 'this store'} yet")
+        console.print(f"no checkpoints in {'run ' + esc(run) if run else 'this store'} yet")
         return
     for name in [run] if run else list(dict.fromkeys(c.run for c in ckpts)):
         lineage = store.catalog.lineage(name)
         if lineage:
-            console.print(f"run {name} forked from {' <- '.join(lineage)}")
+            console.print(f"run {esc(name)} forked from {esc(' <- '.join(lineage))}")
     console.print(log_table(store, run, ckpts, extra))
 
 
@@ -172,31 +178,32 @@ def show(obj: Ctx, ref: str, ranks: tuple[int, ...], as_json: bool) -> None:
         )
         return
     head = (
-        f"[bold]{ckpt.run}@{ckpt.step}[/] kind={ckpt.kind} layout={ckpt.world_layout.mesh} "
+        f"[bold]{esc(ckpt.ref)}[/] kind={esc(ckpt.kind)} layout={esc(ckpt.world_layout.mesh)} "
         f"committed {human_time(ckpt.committed_at)}  logical {human_bytes(ckpt.logical_bytes)}, "
         f"new {human_bytes(ckpt.stored_bytes_added)}"
     )
     root = Tree(head)
     if ckpt.metrics:
-        root.add("metrics: " + ", ".join(f"{k}={fmt_metric(v)}" for k, v in ckpt.metrics.items()))
+        root.add("metrics: " + ", ".join(f"{esc(k)}={fmt_metric(v)}" for k, v in ckpt.metrics.items()))
     if ckpt.tags:
-        root.add("tags: " + ", ".join(ckpt.tags))
+        root.add("tags: " + esc(", ".join(ckpt.tags)))
     if ckpt.parent:
-        root.add(f"parent: {ckpt.parent}")
+        root.add(f"parent: {esc(ckpt.parent)}")
     by_rank: dict[int, Tree] = {}
     for (rank, key), man in sorted(mans.items()):
         rnode = by_rank.get(rank)
         if rnode is None:
             rnode = by_rank[rank] = root.add(f"rank {rank}")
-        knode = rnode.add(f"[bold]{key}[/] ({len(man.tensors)} tensors, {human_bytes(man.logical_bytes)})")
+        knode = rnode.add(f"[bold]{esc(key)}[/] ({len(man.tensors)} tensors, {human_bytes(man.logical_bytes)})")
         paths = iter_tensor_paths(man.tree)
         for i, t in enumerate(man.tensors):
             shard = ""
             if t.shard is not None:
-                shard = f"  shard of {list(t.shard.global_shape)} at {list(t.shard.offsets)} by " + ", ".join(
-                    f"{m}→dim {d}" for d, m in t.shard.splits
+                shard = f"  shard of {esc(list(t.shard.global_shape))} at {esc(list(t.shard.offsets))} by " + ", ".join(
+                    f"{esc(m)}→dim {d}" for d, m in t.shard.splits
                 )
-            knode.add(f"{'/'.join(map(str, paths.get(i, (t.path,))))}  {t.dtype} {list(t.shape)}  {human_bytes(t.nbytes)}{shard}")
+            path = "/".join(map(str, paths.get(i, (t.path,))))
+            knode.add(f"{esc(path)}  {esc(t.dtype)} {esc(list(t.shape))}  {human_bytes(t.nbytes)}{shard}")
     console.print(root)
 
 
@@ -209,7 +216,7 @@ def show(obj: Ctx, ref: str, ranks: tuple[int, ...], as_json: bool) -> None:
 def tag(obj: Ctx, ref: str, name: str, move: bool) -> None:
     """Tag checkpoint REF as NAME."""
     ckpt = obj.open().tag(ref, name, move=move)
-    console.print(f"tagged {ckpt.run}@{ckpt.step} as {name}")
+    console.print(f"tagged {esc(ckpt.ref)} as {esc(name)}")
 
 
 @click.command()
@@ -220,7 +227,7 @@ def untag(obj: Ctx, name: str) -> None:
     """Remove tag NAME (RUN@NAME to name the run)."""
     run, _, tag_name = name.rpartition("@")
     obj.open().untag(tag_name, run=run or None)
-    console.print(f"removed tag {name}")
+    console.print(f"removed tag {esc(name)}")
 
 
 @click.group()
@@ -238,7 +245,7 @@ def _unchecked_catalog(obj: Ctx) -> Any:
     blobs = open_blobstore(loc)
     cfg = read_config(blobs)
     if cfg is None:
-        raise click.UsageError(f"no ckstore store at {loc}")
+        raise click.UsageError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
     return Catalog(catalog_url(loc, blobs, cfg, obj.catalog), check=False)
 
 
@@ -249,9 +256,9 @@ def upgrade(obj: Ctx) -> None:
     """Upgrade the catalog's schema to this ckstore's version."""
     before, after = _unchecked_catalog(obj).upgrade()
     if before == after:
-        console.print(f"catalog already at schema revision {after}")
+        console.print(f"catalog already at schema revision {esc(after)}")
     else:
-        console.print(f"catalog upgraded from revision {before or '(none)'} to {after}")
+        console.print(f"catalog upgraded from revision {esc(before or '(none)')} to {esc(after)}")
 
 
 @db.command()
@@ -269,7 +276,7 @@ def current(obj: Ctx) -> None:
             rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
         except Exception:  # noqa: BLE001 - no version table yet
             rev = None
-    console.print(f"catalog revision {rev or '(none)'}; this ckstore needs {head_revision(cat.engine)}")
+    console.print(f"catalog revision {esc(rev or '(none)')}; this ckstore needs {esc(head_revision(cat.engine))}")
 
 
 COMMANDS = [init, runs, log, show, tag, untag, db]

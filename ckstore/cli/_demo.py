@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ._common import DEFAULT_STORE, Ctx, console, handle_errors, pass_ctx
+from ._common import DEFAULT_STORE, Ctx, console, esc, handle_errors, pass_ctx
 
 
 @click.command()
@@ -35,7 +35,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     run_name = run_name or time.strftime("demo-%Y%m%d-%H%M%S")
     store = ckstore.open(location, catalog=obj.catalog, run=run_name)
     cfg = DemoConfig(steps=steps, commit_every=commit_every)
-    console.rule(f"[bold]1. training run {run_name}[/] into {location}")
+    console.rule(f"[bold]1. training run {esc(run_name)}[/] into {esc(location)}")
     trainer = Trainer(cfg)
 
     def commit(step: int, metrics: dict[str, float]) -> None:
@@ -49,7 +49,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
             tags=[f"epoch-{step // cfg.epoch_every}"] if epoch else [],
         )
         console.print(
-            f"          committed {ck.ref} ({ck.kind}) in {time.perf_counter() - t0:.2f}s: "
+            f"          committed {esc(ck.ref)} ({ck.kind}) in {time.perf_counter() - t0:.2f}s: "
             f"{ck.logical_bytes / 2**20:.1f} MiB logical, {ck.stored_bytes_added / 2**20:.2f} MiB new"
         )
 
@@ -64,7 +64,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     resumed = Trainer(cfg)
     resumed.load(states)
     before = resumed.val_loss()
-    console.print(f"checked out {best.ref} (val_loss {best.metrics['val_loss']:.4f}); re-measured val_loss {before:.4f}")
+    console.print(f"checked out {esc(best.ref)} (val_loss {best.metrics['val_loss']:.4f}); re-measured val_loss {before:.4f}")
     if abs(before - best.metrics["val_loss"]) > 1e-4:
         raise click.ClickException("the checked-out model does not reproduce its recorded val_loss")
     for _ in range(10):
@@ -72,7 +72,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     console.print(f"resumed 10 steps from step {best.step}: val_loss now {resumed.val_loss():.4f}")
 
     ft_name = f"{run_name}-ft"
-    console.rule(f"[bold]4. fine-tune run {ft_name}, forked from {best.ref}, embedding frozen[/]")
+    console.rule(f"[bold]4. fine-tune run {esc(ft_name)}, forked from {esc(best.ref)}, embedding frozen[/]")
     store.fork(best.ref, ft_name)
     ft = Trainer(cfg)
     ft.load(store.checkout(best.ref)[0])
@@ -81,22 +81,22 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
 
     def commit_ft(step: int, metrics: dict[str, float]) -> None:
         ck = store.commit(step, {0: ft.state()}, metrics, run=ft_name, kind="recovery")
-        console.print(f"          committed {ck.ref}: {ck.stored_bytes_added / 2**20:.2f} MiB new")
+        console.print(f"          committed {esc(ck.ref)}: {ck.stored_bytes_added / 2**20:.2f} MiB new")
 
     train(ft, steps, commit_ft, cfg.commit_every, log=console.print)
 
-    console.rule(f"[bold]5. what the fine-tune changed: diff {best.ref} {ft_name}[/]")
+    console.rule(f"[bold]5. what the fine-tune changed: diff {esc(best.ref)} {esc(ft_name)}[/]")
     store.blobs.stats.reset()
     res = store.diff(best.ref, ft_name, sub_key="model_states")
     read = store.blobs.stats.snapshot()["bytes_read"]
     render_diff(res)
     same = [t.key for t in res.unchanged]
     console.print(
-        f"{len(same)} tensor(s) identical without reading a byte ({', '.join(same) or 'none'}); "
+        f"{len(same)} tensor(s) identical without reading a byte ({esc(', '.join(same)) or 'none'}); "
         f"{len(res.changed)} changed; {read / 2**20:.2f} MiB read from the store"
     )
 
-    console.rule(f"[bold]6. retention: keep the last 2, the best by val_loss and every epoch checkpoint of {run_name}[/]")
+    console.rule(f"[bold]6. retention: keep the last 2, the best by val_loss and every epoch checkpoint of {esc(run_name)}[/]")
     policy = LatestN(2) | BestN(1, "val_loss") | ByKind("epoch", KeepAll())
     store.set_policy(run_name, policy)
     usage_before = store.du()
@@ -109,7 +109,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     )
     best_after = store.resolve("min:val_loss")
     store.checkout(best_after.ref)  # every kept checkpoint still checks out, verified
-    console.print(f"\ndone. Explore with: ckstore --store {location} log {run_name}")
+    console.print(f"\ndone. Explore with: ckstore --store {esc(location)} log {esc(run_name)}")
 
 
 COMMANDS = [demo]

@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ._common import Ctx, console, fmt_metric, handle_errors, human_bytes, pass_ctx, print_json
+from ._common import Ctx, console, esc, fmt_metric, handle_errors, human_bytes, pass_ctx, print_json
 
 _MAX_LISTED = 8
 
@@ -30,11 +30,11 @@ def _magnitude(t: Any) -> tuple[float, int]:
 
 
 def _arrow(a: Any, b: Any) -> str:
-    return str(a) if a == b else f"[yellow]{a} → {b}[/]"
+    return esc(a) if a == b else f"[yellow]{esc(a)} → {esc(b)}[/]"
 
 
 def _shape(s: Sequence[int]) -> str:
-    return "[" + ", ".join(map(str, s)) + "]"
+    return esc("[" + ", ".join(map(str, s)) + "]")
 
 
 def _tensor_table(res: Any, shown: Sequence[Any]) -> Table:
@@ -53,13 +53,13 @@ def _tensor_table(res: Any, shown: Sequence[Any]) -> Table:
         groups.setdefault(t.module, []).append(t)
     ordered = sorted(groups.items(), key=lambda kv: max(_magnitude(t) for t in kv[1]), reverse=True)
     for module, items in ordered:
-        table.add_row(f"[bold]{module}[/]")
+        table.add_row(f"[bold]{esc(module)}[/]")
         for t in sorted(items, key=_magnitude, reverse=True):
             name = t.key[len(module) :] or t.key.rpartition("/")[2]
             name = "  " + name.lstrip("/") if name.startswith("/") else "  " + name
             if t.rank is not None:
                 name += f" (rank {t.rank})"
-            row = [name, _arrow(t.dtype_a, t.dtype_b), _arrow(_shape(t.shape_a), _shape(t.shape_b))]
+            row = [esc(name), _arrow(t.dtype_a, t.dtype_b), _arrow(list(t.shape_a), list(t.shape_b))]
             if res.stats:
                 st = t.stats
                 row += (
@@ -88,17 +88,17 @@ def render(res: Any, *, show_all: bool = False) -> None:
     layouts = (
         ""
         if a.world_layout == b.world_layout
-        else f"   layout {a.world_layout.mesh} → {b.world_layout.mesh}"
+        else f"   layout {esc(a.world_layout.mesh)} → {esc(b.world_layout.mesh)}"
     )
-    console.print(f"[bold]diff {a.ref} → {b.ref}[/]{layouts}")
+    console.print(f"[bold]diff {esc(a.ref)} → {esc(b.ref)}[/]{layouts}")
     if res.metrics:
         mt = Table(title="metrics")
-        for col in ("metric", a.ref, b.ref, "Δ"):
+        for col in ("metric", esc(a.ref), esc(b.ref), "Δ"):
             mt.add_column(col, justify="left" if col == "metric" else "right")
         for name, (va, vb) in res.metrics.items():
             delta = fmt_metric(vb - va) if va is not None and vb is not None else ""
             mt.add_row(
-                name,
+                esc(name),
                 "" if va is None else fmt_metric(va),
                 "" if vb is None else fmt_metric(vb),
                 delta,
@@ -117,19 +117,19 @@ def render(res: Any, *, show_all: bool = False) -> None:
         changed_modules = {t.module for t in shown}
         whole = list(dict.fromkeys(t.module for t in same if t.module not in changed_modules))
         if whole:
-            console.print(f"  unchanged modules: {_listing(whole)}")
+            console.print(f"  unchanged modules: {esc(_listing(whole))}")
         if show_all:
             for t in same:
                 console.print(
-                    f"  = {t.key}{'' if t.rank is None else f' (rank {t.rank})'}  {t.dtype_a} {_shape(t.shape_a)}"
+                    f"  = {esc(t.key)}{'' if t.rank is None else f' (rank {t.rank})'}  {esc(t.dtype_a)} {_shape(t.shape_a)}"
                 )
     if res.values:
         vt = Table(title=f"values changed ({len(res.values)}; {res.values_equal} equal)")
-        for col in ("key", a.ref, b.ref):
+        for col in ("key", esc(a.ref), esc(b.ref)):
             vt.add_column(col)
         for v in res.values:
             vt.add_row(
-                v.key + ("" if v.rank is None else f" (rank {v.rank})"), repr(v.a), repr(v.b)
+                esc(v.key) + ("" if v.rank is None else f" (rank {v.rank})"), esc(repr(v.a)), esc(repr(v.b))
             )
         console.print(vt)
     for label, items, sign in (
@@ -137,16 +137,16 @@ def render(res: Any, *, show_all: bool = False) -> None:
         ("only in " + b.ref, res.only_in_b, "+"),
     ):
         if items:
-            console.print(f"{label}:")
+            console.print(f"{esc(label)}:")
             for x in items:
-                what = f"{x.dtype} {_shape(x.shape or ())}" if x.kind == "tensor" else repr(x.value)
+                what = f"{esc(x.dtype)} {_shape(x.shape or ())}" if x.kind == "tensor" else esc(repr(x.value))
                 console.print(
-                    f"  {sign} {x.key}{'' if x.rank is None else f' (rank {x.rank})'}  {what}"
+                    f"  {sign} {esc(x.key)}{'' if x.rank is None else f' (rank {x.rank})'}  {what}"
                 )
     sh = res.sharing
     console.print(
         f"chunks: {sh.shared_chunks} shared ({human_bytes(sh.shared_bytes)} stored), {sh.only_a_chunks} only in "
-        f"{a.ref} ({human_bytes(sh.only_a_bytes)}), {sh.only_b_chunks} only in {b.ref} "
+        f"{esc(a.ref)} ({human_bytes(sh.only_a_bytes)}), {sh.only_b_chunks} only in {esc(b.ref)} "
         f"({human_bytes(sh.only_b_bytes)}); read {human_bytes(res.read_bytes)} to compare"
     )
     console.print(
@@ -205,9 +205,9 @@ def fork(obj: Ctx, ref: str, new_run: str) -> None:
     """Start run NEW_RUN from checkpoint REF (or a run name, for its latest checkpoint)."""
     store = obj.open()
     ckpt = store.fork(ref, new_run)
-    console.print(f"run {new_run} starts from {ckpt.ref}; its first commit descends from it")
+    console.print(f"run {esc(new_run)} starts from {esc(ckpt.ref)}; its first commit descends from it")
     console.print(
-        f"load it with store.load(store.resolve({ckpt.ref!r})) and commit with run={new_run!r}"
+        f"load it with store.load(store.resolve({esc(repr(ckpt.ref))})) and commit with run={esc(repr(new_run))}"
     )
 
 

@@ -12,7 +12,16 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._common import Ctx, console, err_console, handle_errors, human_bytes, pass_ctx, print_json
+from ._common import (
+    Ctx,
+    console,
+    err_console,
+    esc,
+    handle_errors,
+    human_bytes,
+    pass_ctx,
+    print_json,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,13 +108,13 @@ def render_gc(report: Any) -> None:
     for r in report.runs:
         if r.policy is None:
             console.print(
-                f"run [bold]{r.run}[/]: no retention policy, keeps all {len(r.kept)} checkpoints"
+                f"run [bold]{esc(r.run)}[/]: no retention policy, keeps all {len(r.kept)} checkpoints"
             )
             continue
-        console.print(f"run [bold]{r.run}[/]: policy {r.policy} ({r.source})")
+        console.print(f"run [bold]{esc(r.run)}[/]: policy {esc(r.policy)} ({esc(r.source)})")
         table = Table(show_header=False, box=None, padding=(0, 2))
         for k in reversed(r.kept):
-            table.add_row("[green]keep[/]", str(k.step), k.kind, ", ".join(k.reasons))
+            table.add_row("[green]keep[/]", str(k.step), esc(k.kind), esc(", ".join(k.reasons)))
         console.print(table)
         if r.dropped:
             console.print(
@@ -114,11 +123,11 @@ def render_gc(report: Any) -> None:
         if r.unranked:
             missing = sorted({m for _, ms in r.unranked for m in ms})
             console.print(
-                f"  [yellow]kept without {', '.join(missing)}[/] (a rule ranks by it): steps "
+                f"  [yellow]kept without {esc(', '.join(missing))}[/] (a rule ranks by it): steps "
                 f"{_steps([s for s, _ in r.unranked])}"
             )
     for p in report.reaped:
-        console.print(f"{reap} abandoned commit {p.run}@{p.step}: {p.why}")
+        console.print(f"{reap} abandoned commit {esc(p.run)}@{p.step}: {esc(p.why)}")
     console.print(
         f"{drop} {len(report.dropped)} checkpoints; "
         f"{free} {report.chunks_freed} chunks ({human_bytes(report.chunk_bytes_freed)}); "
@@ -185,7 +194,7 @@ def policy_set(obj: Ctx, run: str, keep_last: int | None, keep_best: tuple[str, 
         )
     obj.open().set_policy(run, pol)
     console.print(
-        f"run {run}: retention policy {pol.describe()} (the latest checkpoint is always kept)"
+        f"run {esc(run)}: retention policy {esc(pol.describe())} (the latest checkpoint is always kept)"
     )
 
 
@@ -205,7 +214,7 @@ def policy_show(obj: Ctx, run: str | None, as_json: bool) -> None:
         print_json({n: (p.to_json() if p else None) for n, p in pols.items()})
         return
     for n, p in pols.items():
-        console.print(f"{n}: {p.describe() if p else '(no policy: keeps everything)'}")
+        console.print(f"{esc(n)}: {esc(p.describe()) if p else '(no policy: keeps everything)'}")
 
 
 @policy.command("clear")
@@ -217,7 +226,7 @@ def policy_clear(obj: Ctx, run: str) -> None:
     store = obj.open()
     store.catalog.checkpoints(run)
     store.set_policy(run, None)
-    console.print(f"run {run}: no retention policy (keeps everything)")
+    console.print(f"run {esc(run)}: no retention policy (keeps everything)")
 
 
 @click.command()
@@ -261,12 +270,12 @@ def _render_fsck(rep: Any) -> None:
         by_ckpt: dict[str, list[Any]] = {}
         for d in rep.damage:
             by_ckpt.setdefault(d.ref, []).append(d)
-        console.print(f"[bold red]DAMAGED[/]: {len(by_ckpt)} checkpoints ({', '.join(by_ckpt)})")
+        console.print(f"[bold red]DAMAGED[/]: {len(by_ckpt)} checkpoints ({esc(', '.join(by_ckpt))})")
         for ref, items in by_ckpt.items():
-            console.print(f"  [bold]{ref}[/]: {len(items)} damaged chunk uses")
+            console.print(f"  [bold]{esc(ref)}[/]: {len(items)} damaged chunk uses")
             for d in items[:20]:
                 console.print(
-                    f"    rank {d.rank} {d.sub_key} {d.path} chunk {d.chunk or '-'}: {d.problem}",
+                    f"    rank {d.rank} {esc(d.sub_key)} {esc(d.path)} chunk {esc(d.chunk or '-')}: {esc(d.problem)}",
                     soft_wrap=True,
                 )
             if len(items) > 20:
@@ -293,7 +302,7 @@ def _render_fsck(rep: Any) -> None:
     for p in rep.pending:
         state = f"abandoned: {p.abandoned}" if p.abandoned else "in flight"
         console.print(
-            f"pending commit {p.run}@{p.step} ({state}; last heartbeat {p.heartbeat_age:.0f}s ago)"
+            f"pending commit {esc(p.run)}@{p.step} ({esc(state)}; last heartbeat {p.heartbeat_age:.0f}s ago)"
         )
     if rep.unreferenced_chunks or rep.trash:
         console.print(
@@ -327,7 +336,7 @@ def du(obj: Ctx, run: str | None, per_ckpt: bool, as_json: bool) -> None:
     if run or per_ckpt:
         console.print(
             _usage_table(
-                f"checkpoints of {run}" if run else "checkpoints", list(rep.checkpoints), None
+                f"checkpoints of {esc(run)}" if run else "checkpoints", list(rep.checkpoints), None
             )
         )
     console.print(
@@ -351,7 +360,7 @@ def _usage_table(title: str, rows: Sequence[Any], total: Any) -> Table:
         table.add_column(col, justify="left" if col == "name" else "right")
     for u in [*rows, *([total] if total is not None else [])]:
         table.add_row(
-            u.name, str(u.checkpoints), human_bytes(u.logical_bytes), human_bytes(u.unique_bytes),
+            esc(u.name), str(u.checkpoints), human_bytes(u.logical_bytes), human_bytes(u.unique_bytes),
             human_bytes(u.stored_bytes), f"{u.dedup_ratio:.2f}x", f"{u.compression_ratio:.2f}x",
             human_bytes(u.exclusive_bytes),
         )  # fmt: skip
@@ -373,7 +382,7 @@ def rm(obj: Ctx, ref: str, force: bool, sweep: bool, grace: str | None) -> None:
 
     store = obj.open()
     ckpt = store.delete(ref, force=force)
-    console.print(f"deleted {ckpt.ref} from the catalog")
+    console.print(f"deleted {esc(ckpt.ref)} from the catalog")
     if not sweep:
         console.print("its bytes are freed by the next `ckstore gc` (or use rm --sweep)")
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import Ctx, byte_progress, console, handle_errors, human_bytes, pass_ctx
+from ._common import Ctx, byte_progress, console, esc, handle_errors, human_bytes, pass_ctx
 
 
 @click.command("import")
@@ -16,7 +16,8 @@ from ._common import Ctx, byte_progress, console, handle_errors, human_bytes, pa
 @click.option("--split", is_flag=True, help="Make the file's top-level keys the sub-checkpoints.")
 @click.option("--metric", "metrics", multiple=True, metavar="NAME=VALUE", help="A metric to record (repeatable).")
 @click.option("--tag", "tags", multiple=True, help="A tag (repeatable).")
-@click.option("--allow-pickle", is_flag=True, help="Load and store Python objects in a torch.save file (runs its code).")
+@click.option("--allow-pickle", is_flag=True, help="Trust the file: unpickle Python objects in a torch.save file, or a DCP folder's "
+              ".metadata (runs code from it). Without it, pickled content is refused.")
 @pass_ctx
 @handle_errors
 def import_(
@@ -42,7 +43,8 @@ def import_(
             tags=tags, allow_pickle=allow_pickle, progress=progress,
         )  # fmt: skip
     console.print(
-        f"imported {path} as {ck.ref}: {human_bytes(ck.logical_bytes)} logical, {human_bytes(ck.stored_bytes_added)} new"
+        f"imported {esc(path)} as {esc(ck.ref)}: {human_bytes(ck.logical_bytes)} logical, "
+        f"{human_bytes(ck.stored_bytes_added)} new"
     )
 
 
@@ -63,7 +65,7 @@ def export(obj: Ctx, ref: str, path: str, fmt: str, rank: int, sub_key: str | No
         ck = export_checkpoint(
             obj.open(), ref, path, fmt=fmt, rank=rank, sub_key=sub_key, allow_pickle=allow_pickle, progress=progress
         )
-    console.print(f"exported {ck.ref} to {path} ({fmt})")
+    console.print(f"exported {esc(ck.ref)} to {esc(path)} ({fmt})")
 
 
 COMMANDS = [import_, export]

@@ -4,11 +4,15 @@ Formats: ``torch`` (a ``torch.save`` file), ``safetensors`` (a ``.safetensors`` 
 (a PyTorch Distributed Checkpoint folder). Imports commit into a store like any other
 checkpoint, so re-importing the same weights stores nothing new; exports check out a checkpoint
 (consolidated to one rank when it was sharded) and write it in the chosen format.
+
+Imported files are untrusted: no import unpickles anything unless the caller passes
+``allow_pickle=True`` (``--allow-pickle``), see :func:`read_checkpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,12 +29,22 @@ __all__ = ["FORMATS", "detect_format", "read_checkpoint", "write_checkpoint", "i
 FORMATS = ("torch", "safetensors", "dcp")
 
 
+def _not_from_dcp(record: logging.LogRecord) -> bool:
+    return "distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
+
+
 @contextlib.contextmanager
 def _single_process() -> Iterator[None]:
-    # a single-process DCP read or write is what the caller asked for; no need to warn
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    # a single-process DCP read or write is what the caller asked for; no need to warn. DCP also
+    # logs the tracebacks of failed reads to the root logger: the error raised says it in one line
+    root = logging.getLogger()
+    root.addFilter(_not_from_dcp)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        root.removeFilter(_not_from_dcp)
 
 
 def detect_format(path: str) -> str:
@@ -45,33 +59,70 @@ def detect_format(path: str) -> str:
     return "torch"
 
 
+def _one_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _dcp_reason(e: BaseException) -> str:
+    """The last line of a DCP failure (its message carries each rank's whole traceback)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (exception, its stack summary)
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return _one_line(first[0])
+    return _one_line(e)
+
+
+def _untrusted(path: str, what: str) -> UnsupportedValueError:
+    return UnsupportedValueError(
+        f"{path} {what}; loading it runs code from the file. If you trust it, pass "
+        "allow_pickle=True (--allow-pickle)"
+    )
+
+
 def read_checkpoint(path: str, fmt: str = "auto", *, allow_pickle: bool = False) -> Any:
-    """Load a checkpoint file or folder of another tool into memory (tensors on the CPU)."""
+    """Load a checkpoint file or folder of another tool into memory (tensors on the CPU).
+
+    Nothing is unpickled without ``allow_pickle``: a ``torch.save`` file is read by torch's
+    restricted loader (``weights_only=True``: tensors and plain values only), a safetensors file
+    holds no pickle, and a DCP folder is refused outright, because its ``.metadata`` is a pickle
+    that DCP's reader loads unrestricted. Errors are :class:`~ckstore.errors.CkstoreError`
+    subclasses with one-line messages.
+    """
     fmt = detect_format(path) if fmt == "auto" else fmt
     if fmt == "torch":
         try:
             return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
         except Exception as e:  # noqa: BLE001 - torch raises many kinds for unsafe or bad files
             if not allow_pickle and "weights_only" in str(e):
-                raise UnsupportedValueError(
-                    f"{path} holds Python objects beyond tensors and plain values; loading them runs "
-                    "code from the file. If you trust it, pass allow_pickle=True (--allow-pickle)"
-                ) from e
-            raise StoreConfigError(f"cannot read {path} as a torch.save file: {e}") from e
+                raise _untrusted(path, "holds Python objects beyond tensors and plain values") from e
+            raise StoreConfigError(f"cannot read {path} as a torch.save file: {_one_line(e)}") from e
     if fmt == "safetensors":
         from safetensors.torch import load_file
 
-        return load_file(path)
+        try:
+            return load_file(path)
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, a bad header
+            raise StoreConfigError(f"cannot read {path} as a safetensors file: {_one_line(e)}") from e
     if fmt == "dcp":
+        if not allow_pickle:  # before DCP's reader touches the folder: its .metadata is a pickle
+            raise _untrusted(path, "is a Distributed Checkpoint folder, whose .metadata file is a Python pickle")
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise StoreConfigError(f"{path} is not a Distributed Checkpoint folder (no .metadata file in it)")
         # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, without the file
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         sd: dict[str, Any] = {}
-        with _single_process():
-            planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
-            _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+        try:
+            with _single_process():
+                planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
+                _load_state_dict(sd, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
+            raise StoreConfigError(f"cannot read {path} as a Distributed Checkpoint: {_dcp_reason(e)}") from e
         return sd
     raise StoreConfigError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(FORMATS)} or auto")
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ckstore.blobstore import BlobExistsError, BlobNotFoundError, BlobStore
+from ckstore.blobstore import BlobExistsError, BlobNotFoundError, BlobStore, NotOwnedError
 from ckstore.errors import BlobStoreError, CkstoreError
 
 
@@ -137,13 +137,22 @@ class BlobStoreConformance:
         assert list(blobs.list("nothing/")) == []
 
     def test_delete(self, blobs: BlobStore) -> None:
-        for k in ("a/1", "a/2", "a/3"):
+        for k in ("packs/a/1", "packs/a/2", "packs/a/3"):
             blobs.put(k, b"1")
-        assert blobs.delete(["a/1", "a/3", "a/never"]) == 3
-        assert [i.key for i in blobs.list()] == ["a/2"]
+        assert blobs.delete(["packs/a/1", "packs/a/3", "packs/a/never"]) == 3
+        assert [i.key for i in blobs.list()] == ["packs/a/2"]
         assert blobs.delete([]) == 0
-        blobs.delete(["a/2"])
+        blobs.delete(["packs/a/2"])
         assert list(blobs.list()) == []
+
+    @pytest.mark.parametrize("foreign", ["ckstore.json", "catalog.db", "other/x", "packsx/1", "tmp/x.part"])
+    def test_delete_refuses_keys_outside_owned_namespaces(self, blobs: BlobStore, foreign: str) -> None:
+        blobs.put(foreign, b"keep me")
+        blobs.put("packs/aa/1", b"garbage")
+        with pytest.raises(NotOwnedError, match="refusing to delete"):
+            blobs.delete(["packs/aa/1", foreign])  # nothing of the call is deleted
+        assert blobs.read(foreign) == b"keep me" and blobs.read("packs/aa/1") == b"garbage"
+        assert blobs.stats.deletes == 0
 
     def test_delete_many(self, blobs: BlobStore) -> None:
         keys = [f"packs/{i % 7:02d}/{i}" for i in range(60)]
@@ -175,11 +184,11 @@ class BlobStoreConformance:
 
     def test_stats_count_requests(self, blobs: BlobStore) -> None:
         blobs.stats.reset()
-        blobs.put("s/1", b"12345")
-        blobs.put("s/2", b"678", exclusive=True)
-        blobs.read("s/1", 1, 3)
-        list(blobs.list("s/"))
-        blobs.delete(["s/1"])
+        blobs.put("packs/s/1", b"12345")
+        blobs.put("packs/s/2", b"678", exclusive=True)
+        blobs.read("packs/s/1", 1, 3)
+        list(blobs.list("packs/s/"))
+        blobs.delete(["packs/s/1"])
         assert blobs.stats.snapshot() == {
             "reads": 1,
             "bytes_read": 2,
