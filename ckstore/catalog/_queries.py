@@ -201,9 +201,12 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
         row = rows[0]
     else:
         value = METRICS.c.value.asc() if ref.kind == "min" else METRICS.c.value.desc()
+        ranked = [METRICS.c.name == ref.value, METRICS.c.value.is_not(None)]
+        if conn.dialect.name == "sqlite":  # a damaged value stored as text ranks like a missing one
+            ranked.append(func.typeof(METRICS.c.value).in_(("real", "integer")))
         row = conn.execute(
             q.join(METRICS, METRICS.c.checkpoint_id == CHECKPOINTS.c.id)
-            .where(METRICS.c.name == ref.value, METRICS.c.value.is_not(None))
+            .where(*ranked)
             .order_by(value, CHECKPOINTS.c.step.desc())
             .limit(1)
         ).first()
