@@ -392,19 +392,15 @@ class Store:
     # -- retention and garbage collection --
     def set_policy(self, run: str, policy: Policy | None) -> None:
         """Store ``policy`` as ``run``'s retention policy (None clears it); ``gc()`` applies it."""
-        from .errors import PolicyError
-        from .maintenance.retention import Policy, policy_to_json
+        from .maintenance import gc as _gc
 
-        if policy is not None and not isinstance(policy, Policy):
-            raise PolicyError(f"policy must be a ckstore.maintenance.retention.Policy, got {type(policy).__name__}")
-        self.catalog.set_run_policy(check_name("run", run), None if policy is None else policy_to_json(policy))
+        _gc.set_policy(self.catalog, run, policy)
 
     def policy(self, run: str) -> Policy | None:
         """``run``'s stored retention policy, or None."""
-        from .maintenance.retention import policy_from_json
+        from .maintenance import gc as _gc
 
-        text = self.catalog.run_policy(run)
-        return None if not text else policy_from_json(text)
+        return _gc.stored_policy(run, self.catalog.run_policy(run))
 
     def gc(
         self,
@@ -424,25 +420,16 @@ class Store:
         """
         from .maintenance import gc as _gc
 
-        return _gc.collect(
-            self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run,
-            grace=_gc.DEFAULT_GRACE if grace is None else grace, progress=progress,
-        )  # fmt: skip
+        return _gc.collect(self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress)
 
     def delete(self, ref: str | int, *, force: bool = False, run: str | None = None) -> Checkpoint:
         """Remove one checkpoint from the catalog (a tagged one only with ``force``).
 
         Its bytes are freed by the next :meth:`gc` (chunks other checkpoints share stay).
         """
-        from .errors import ProtectedCheckpointError
+        from .maintenance import gc as _gc
 
-        ckpt = self.resolve(ref, run=run)
-        if ckpt.tags and not force:
-            raise ProtectedCheckpointError(
-                f"{ckpt.ref} is tagged {', '.join(ckpt.tags)}; untag it first or pass force=True (--force)"
-            )
-        self.catalog.delete_checkpoint(ckpt.id)
-        return ckpt
+        return _gc.delete(self.catalog, self.resolve(ref, run=run), force=force)
 
     def fsck(
         self,
@@ -455,12 +442,8 @@ class Store:
         """Check that every chunk a checkpoint references is stored (``deep``: and decodes to its
         digest); find orphan objects. ``repair`` removes only orphans and abandoned commits."""
         from .maintenance import fsck as _fsck
-        from .maintenance.gc import DEFAULT_GRACE
 
-        return _fsck.check(
-            self.catalog, self.blobs, deep=deep, repair=repair,
-            grace=DEFAULT_GRACE if grace is None else grace, workers=self.workers, progress=progress,
-        )  # fmt: skip
+        return _fsck.check(self.catalog, self.blobs, deep=deep, repair=repair, grace=grace, workers=self.workers, progress=progress)
 
     def du(self, run: str | None = None) -> DuReport:
         """Logical and stored bytes, dedup and compression ratios, and bytes each run and

@@ -10,16 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import catalog_tools
 import pytest
 import torch
 from click.testing import CliRunner
-from sqlalchemy import delete, select
 
 import ckstore
 from ckstore.catalog import Owner
 from ckstore.cli import main
 from ckstore.layout import WorldLayout
-from ckstore.maintenance.gc import K, R, catalog_write
 
 SHARED = torch.arange(100_000, dtype=torch.float32)
 
@@ -131,9 +130,7 @@ def test_corrupt_bytes_are_found_by_a_deep_check(filled: ckstore.Store, store_pa
 def test_a_missing_reference_is_catalog_damage(filled: ckstore.Store) -> None:
     ck = filled.resolve(2)
     digest = filled.manifests(ck)[(1, "optim_states")].tensors[0].chunks[0]
-    with catalog_write(filled.catalog) as conn:
-        chunk_id = conn.execute(select(K.c.id).where(K.c.digest == digest)).scalar_one()
-        conn.execute(delete(R).where(R.c.checkpoint_id == ck.id, R.c.chunk_id == chunk_id))
+    catalog_tools.delete_chunk_ref(filled.catalog, ck.id, digest)
     rep = filled.fsck()
     assert found(rep) == {("exp@2", 1, "optim_states", "exp_avg", digest.hex())}
     assert "no reference" in rep.damage[0].problem

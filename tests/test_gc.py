@@ -7,19 +7,17 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import catalog_tools
 import pytest
 import torch
 from helpers import assert_same
-from sqlalchemy import select, update
 
 import ckstore
 from ckstore.catalog import Owner, utcnow
 from ckstore.layout import WorldLayout
-from ckstore.maintenance.gc import RUNS, TRASH, C, K, R, catalog_write, sweep
 from ckstore.retention import BestN, KeepAll, LatestN, Tagged
 
 SHARED = torch.arange(200_000, dtype=torch.float32)  # in every checkpoint: its chunks dedup
@@ -182,12 +180,7 @@ def _pending(
     key = f"packs/ab/{os.urandom(16).hex()}"
     s.catalog.register_pack(ckpt, owner, key)
     s.blobs.put(key, b"CKPK\x01\x00\x00\x00 half a pack")
-    with catalog_write(s.catalog) as conn:
-        conn.execute(
-            update(C)
-            .where(C.c.id == ckpt)
-            .values(heartbeat_at=utcnow() - timedelta(seconds=heartbeat_age))
-        )
+    catalog_tools.age_heartbeat(s.catalog, ckpt, heartbeat_age)
     return ckpt, key
 
 
@@ -212,10 +205,7 @@ def test_abandoned_commits_are_reaped_and_live_ones_never(store: ckstore.Store) 
     assert {r.step for r in store.gc(grace=0).reaped} == {4}
     assert store.blobs.exists(live_key)
     # ... and once its process is gone it is
-    with catalog_write(store.catalog) as conn:
-        conn.execute(
-            update(C).where(C.c.step == 3).values(owner=str(Owner(host, _dead_pid(), "1", "x")))
-        )
+    catalog_tools.hand_over_pending(store.catalog, 3, Owner(host, _dead_pid(), "1", "x"))
     assert {r.step for r in store.gc().reaped} == {3}
     assert not store.blobs.exists(live_key)
     check_all(store)
@@ -250,16 +240,16 @@ def test_next_gc_finishes_what_a_killed_one_left(store: ckstore.Store, store_pat
     for step in (1, 2, 3):
         commit(store, step)
     store.delete(2)  # (step 1's pack also holds the shared tensor)
-    with catalog_write(store.catalog, lock="exclusive") as conn:  # gc killed right after its sweep
-        chunks, _, trashed = sweep(conn, utcnow())
+    with store.catalog.gc_transaction() as txn:  # gc killed right after its sweep
+        swept = txn.sweep(utcnow())
+    chunks, trashed = swept.chunks, swept.trashed
     assert chunks > 0 and trashed and all(store.blobs.exists(k) for k in trashed)
     rep = store.fsck()
     assert rep.ok and rep.trash == len(trashed) and not rep.orphans
     report = store.gc()
     assert report.packs_deleted == len(trashed) and report.chunks_freed == 0
     assert not any(store.blobs.exists(k) for k in trashed)
-    with store.catalog.engine.connect() as conn:
-        assert conn.execute(select(TRASH.c.key)).all() == []
+    assert store.catalog.trash() == []
     check_all(store)
 
 
@@ -272,11 +262,9 @@ def test_du_agrees_with_what_gc_frees(store: ckstore.Store) -> None:
     by_run = {u.name: u for u in rep.runs}
     by_ckpt = {u.name: u for u in rep.checkpoints}
     # hand computation from the catalog's rows
-    with store.catalog.engine.connect() as conn:
-        length = dict(conn.execute(select(K.c.id, K.c.length)).all())
-        refs = conn.execute(select(R.c.checkpoint_id, R.c.chunk_id)).all()
-        ids = {f"{name}@{step}": i for i, name, step in conn.execute(
-            select(C.c.id, RUNS.c.name, C.c.step).join(RUNS, RUNS.c.id == C.c.run_id))}  # fmt: skip
+    length = dict(catalog_tools.rows(store.catalog, "SELECT id, length FROM chunks"))
+    refs = catalog_tools.rows(store.catalog, "SELECT checkpoint_id, chunk_id FROM chunk_refs")
+    ids = {ck.ref: ck.id for ck in store.checkpoints()}
     users: dict[int, set[int]] = {}
     for ck, ch in refs:
         users.setdefault(ch, set()).add(ck)
@@ -320,8 +308,7 @@ def test_bad_arguments(store: ckstore.Store) -> None:
         store.gc("keep-last-2")  # type: ignore[arg-type]
     with pytest.raises(ckstore.PolicyError, match="Policy"):
         store.set_policy("exp", {"rule": "latest"})  # type: ignore[arg-type]
-    with catalog_write(store.catalog) as conn:
-        conn.execute(update(RUNS).values(policy="{nonsense"))
+    store.catalog.set_run_policy("exp", "{nonsense")
     with pytest.raises(ckstore.PolicyError, match="run 'exp' has a malformed stored policy"):
         store.gc()
     assert steps(store) == [1]

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import catalog_tools
 import pytest
-import sqlalchemy as sa
 import torch
 from alembic import command
 from alembic.config import Config
 from click.testing import CliRunner
 
 import ckstore
-from ckstore.catalog._engine import head_revision, migrations_dir
+from ckstore.catalog._engine import migrations_dir
 from ckstore.cli import main
 
 
@@ -25,23 +25,15 @@ def _cfg(db: Path) -> Config:
 
 def test_fresh_catalog_is_stamped_at_head(store_path: Path) -> None:
     s = ckstore.open(store_path)
-    with s.catalog.engine.connect() as conn:
-        rev = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
-    assert rev == head_revision(s.catalog.engine)
+    rev, head = s.catalog.revisions()
+    assert rev == head
+    assert catalog_tools.scalar(store_path / "catalog.db", "SELECT version_num FROM alembic_version") == head
 
 
 def test_migrations_build_the_same_schema_as_the_models(tmp_path: Path) -> None:
     db = tmp_path / "m.db"
     command.upgrade(_cfg(db), "head")
-    from alembic.autogenerate import compare_metadata
-    from alembic.runtime.migration import MigrationContext
-
-    from ckstore.catalog._schema import Base
-
-    engine = sa.create_engine(f"sqlite:///{db}")
-    with engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
-    assert diff == []
+    assert catalog_tools.schema_differences(db) == []
 
 
 def test_outdated_catalog_names_the_upgrade_command(store_path: Path) -> None:
@@ -49,13 +41,10 @@ def test_outdated_catalog_names_the_upgrade_command(store_path: Path) -> None:
     s.commit(1, {0: {"m": {"w": torch.ones(2)}}})
     s.close()
     db = store_path / "catalog.db"
-    engine = sa.create_engine(f"sqlite:///{db}")
-    with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0000'"))
+    catalog_tools.set_schema_revision(db, "0000")
     with pytest.raises(ckstore.SchemaVersionError, match="newer ckstore"):
         ckstore.open(store_path)
-    with engine.begin() as conn:
-        conn.execute(sa.text("DELETE FROM alembic_version"))
+    catalog_tools.set_schema_revision(db, None)
     with pytest.raises(ckstore.SchemaVersionError, match=rf"ckstore --store {store_path} db upgrade"):
         ckstore.open(store_path)
 

@@ -8,18 +8,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import catalog_tools
 import pytest
 from click.testing import CliRunner
 from conformance import assert_consistent, sample_states
-from conformance.catalog import CHUNK, PACK
+from conformance.store import CHUNK, PACK
 from helpers import assert_same
 from services import PrivatePostgres
-from sqlalchemy import event, insert, text
 
 import ckstore
-from ckstore.catalog import TABLES, Catalog, NewChunk, Owner
-from ckstore.catalog._engine import head_revision
-from ckstore.catalog._schema import Base
+from ckstore.catalog import Catalog, NewChunk, Owner
 from ckstore.cli import main
 from ckstore.layout import WorldLayout
 
@@ -34,19 +32,15 @@ def _open(location: Path | str, catalog: str, **kw: Any) -> ckstore.Store:
 def test_migrations_build_exactly_the_models(tmp_path: Path, pg_catalog_url: str) -> None:
     """`ckstore db upgrade` runs every migration script on an empty PostgreSQL catalog, and
     what they build is exactly what the models describe."""
-    from alembic.autogenerate import compare_metadata
-    from alembic.runtime.migration import MigrationContext
-
     ckstore.init(tmp_path / "store").close()  # any store, to point the command at
     runner = CliRunner()
     args = ["--store", str(tmp_path / "store"), "--catalog", pg_catalog_url, "db"]
     out = runner.invoke(main, [*args, "upgrade"])
     assert out.exit_code == 0, out.output
     bare = Catalog(pg_catalog_url, check=False)
-    head = head_revision(bare.engine)
-    assert f"upgraded from revision (none) to {head}" in out.output
-    with bare.engine.connect() as conn:
-        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    rev, head = bare.revisions()
+    assert rev == head and f"upgraded from revision (none) to {head}" in out.output
+    assert catalog_tools.schema_differences(bare) == []
     bare.close()
     out = runner.invoke(main, [*args, "current"])
     assert f"catalog revision {head}" in out.output
@@ -70,15 +64,12 @@ def test_overlapping_chunk_inserts_wait_instead_of_deadlocking(tmp_path: Path, p
     pack = cat.register_pack(ckpt, owner, "packs/00/mine")
     other_pack = cat.register_pack(ckpt, owner, "packs/00/theirs")
     low, high = b"\x01" * 16, b"\xfe" * 16
-    chunks = TABLES["chunks"]
 
     def row(d: bytes) -> dict[str, Any]:
         return {"digest": d, "pack_id": other_pack, "offset": 8, "length": 10, "raw_size": 10, "codec": 0}
 
     errors: list[BaseException] = []
-    with cat.engine.connect() as conn:  # the other writer, holding `low` and about to insert `high`
-        tx = conn.begin()
-        conn.execute(insert(chunks).values(row(low)))
+    with catalog_tools.insert_chunk_meanwhile(cat, row(low)) as insert:  # the other writer, holding `low`
 
         def ours() -> None:
             try:
@@ -89,9 +80,8 @@ def test_overlapping_chunk_inserts_wait_instead_of_deadlocking(tmp_path: Path, p
         t = threading.Thread(target=ours)
         t.start()
         time.sleep(0.5)  # ours now waits on `low`, and (sorted) holds nothing the other needs
-        conn.execute(insert(chunks).values(row(high)))
-        tx.commit()
-        t.join(30)
+        insert(row(high))
+    t.join(30)
     assert not t.is_alive() and errors == []
     assert set(cat.chunk_locations([low, high])) == {low, high}
     store.close()
@@ -169,23 +159,23 @@ def test_server_restarted_inside_the_finishing_transaction(tmp_path: Path, priva
     store.commit(1, sample_states(1))
     fired: list[bool] = []
 
-    def restart_before_publishing(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+    def restart_before_publishing(statement: str) -> None:
         # entries, metrics and tags are written; the server goes down before the status flips
         if not fired and statement.lstrip().upper().startswith("UPDATE CHECKPOINTS SET STATUS"):
             fired.append(True)
             pg.stop()
 
-    event.listen(store.catalog.engine, "before_cursor_execute", restart_before_publishing)
-    with pytest.raises(ckstore.CatalogError):
+    with catalog_tools.on_statement(store.catalog, restart_before_publishing), pytest.raises(ckstore.CatalogError):
         store.commit(2, sample_states(2), {"loss": 0.1}, tags=["two"])
-    event.remove(store.catalog.engine, "before_cursor_execute", restart_before_publishing)
     assert fired
     pg.start()
     assert [c.step for c in store.checkpoints()] == [1]
     with pytest.raises(ckstore.CheckpointNotFoundError):
         store.resolve("two")
-    with store.catalog.engine.connect() as conn:  # the rolled-back transaction left no entries
-        n = conn.execute(text("SELECT count(*) FROM entries e JOIN checkpoints c ON c.id = e.checkpoint_id WHERE c.step = 2")).scalar()
+    # the rolled-back transaction left no entries
+    n = catalog_tools.scalar(
+        store.catalog, "SELECT count(*) FROM entries e JOIN checkpoints c ON c.id = e.checkpoint_id WHERE c.step = 2"
+    )
     assert n == 0
     store.commit(2, sample_states(2), {"loss": 0.1}, tags=["two"])
     assert store.resolve("two").metrics == {"loss": 0.1}

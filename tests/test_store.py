@@ -269,9 +269,7 @@ def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path) -> None:
     """gc reaping a pending checkpoint (here by hand) makes the commit fail fast, invisibly."""
     import time
 
-    from sqlalchemy import delete
-
-    from ckstore.catalog import TABLES
+    import catalog_tools
 
     s = ckstore.open(tmp_path / "s", run="r", chunk_size=64 * 1024, lease_seconds=0.4)
     calls = []
@@ -279,9 +277,7 @@ def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path) -> None:
     def progress(done: int, total: int) -> None:
         calls.append(done)
         if len(calls) == 1:
-            C = TABLES["checkpoints"]
-            with s.catalog.engine.begin() as conn:
-                conn.execute(delete(C).where(C.c.status == "pending"))
+            catalog_tools.drop_pending(s.catalog)
             time.sleep(0.5)  # the heartbeat (every 0.1 s) notices the claim is gone
 
     state = {f"w{i}": torch.randn(64 * 1024) for i in range(8)}

@@ -1,94 +1,184 @@
-"""Read queries of the catalog that build records: checkpoint records and ref resolution."""
+"""Read queries that build records: checkpoint records, ref resolution, listings, manifests and
+chunk locations.
+
+Catalog rows are untrusted: a row damaged outside ckstore (a world layout that is not JSON, a
+metric that is not a number) makes that one checkpoint unreadable, never a listing. Listings
+skip it with a :class:`CorruptRowWarning`; resolving it raises :class:`IntegrityError` naming
+its run and step.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, delete, exists, func, select
 
-from ..errors import CheckpointNotFoundError, InvalidRefError
+from ..errors import CheckpointNotFoundError, CkstoreError, IntegrityError, InvalidRefError
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from ..refs import Ref
-from ._rows import RUNS, C, E, M, T, aware, batches
-from ._schema import COMMITTED
+from ._access import CatalogBase
+from ._rows import (
+    CHECKPOINTS,
+    CHUNKS,
+    ENTRIES,
+    METRICS,
+    PACKS,
+    RUNS,
+    TAGS,
+    ChunkLocation,
+    Pending,
+    aware,
+    batches,
+    pending_row,
+    run_id,
+)
+from ._schema import COMMITTED, PENDING
 
-__all__ = ["load_records", "resolve_ref"]
+__all__ = ["CorruptRowWarning", "Loaded", "QueriesMixin", "load_records", "resolve_ref"]
 
 
-def load_records(conn: Connection, ids: Sequence[int]) -> list[Checkpoint]:
-    """The :class:`Checkpoint` records of checkpoint rows ``ids``, in that order (missing ones
-    left out)."""
-    if not ids:
-        return []
-    out: dict[int, Checkpoint] = {}
+class CorruptRowWarning(UserWarning):
+    """A listing skipped a checkpoint whose catalog rows are damaged."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Corrupt:
+    run: str
+    step: int
+    problem: str
+
+    def describe(self) -> str:
+        return (
+            f"the catalog rows of checkpoint {self.run}@{self.step} are corrupt ({self.problem}); "
+            "they were changed outside ckstore: restore the catalog from a backup, or fix that row"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """Checkpoint records by id, and the ids whose rows could not be read."""
+
+    records: dict[int, Checkpoint] = field(default_factory=dict)
+    corrupt: dict[int, _Corrupt] = field(default_factory=dict)
+
+    def listed(self, ids: Sequence[int]) -> list[Checkpoint]:
+        """The records of ``ids`` in that order; a corrupt one is skipped with a warning."""
+        for i in ids:
+            if i in self.corrupt:
+                warnings.warn(CorruptRowWarning(f"skipped: {self.corrupt[i].describe()}"), stacklevel=4)
+        return [self.records[i] for i in ids if i in self.records]
+
+    def one(self, ckpt_id: int) -> Checkpoint:
+        if ckpt_id in self.corrupt:
+            raise IntegrityError(self.corrupt[ckpt_id].describe())
+        if ckpt_id not in self.records:
+            raise CheckpointNotFoundError(f"checkpoint #{ckpt_id} no longer exists")
+        return self.records[ckpt_id]
+
+
+def _metric(value: Any) -> float:
+    if value is None:
+        return math.nan  # NaN is stored as NULL
+    if isinstance(value, (bytes, str)):
+        raise ValueError(f"{value!r} is not a number")
+    return float(value)
+
+
+def load_records(conn: Connection, ids: Sequence[int]) -> Loaded:
+    """The :class:`Checkpoint` records of checkpoint rows ``ids`` (missing ones left out)."""
+    out = Loaded()
     for batch in batches(list(ids)):
-        parent = C.alias("parent")
+        parent = CHECKPOINTS.alias("parent")
         prun = RUNS.alias("prun")
         rows = conn.execute(
-            select(C, RUNS.c.name.label("run_name"), parent.c.step.label("pstep"), prun.c.name.label("prun"))
+            select(CHECKPOINTS, RUNS.c.name.label("run_name"), parent.c.step.label("pstep"), prun.c.name.label("prun"))
             .select_from(
-                C.join(RUNS, RUNS.c.id == C.c.run_id)
-                .outerjoin(parent, parent.c.id == C.c.parent_checkpoint_id)
+                CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+                .outerjoin(parent, parent.c.id == CHECKPOINTS.c.parent_checkpoint_id)
                 .outerjoin(prun, prun.c.id == parent.c.run_id)
             )
-            .where(C.c.id.in_(batch))
+            .where(CHECKPOINTS.c.id.in_(batch))
         ).all()
+        problems: dict[int, str] = {}
         metrics: dict[int, dict[str, float]] = {}
-        for m in conn.execute(select(M).where(M.c.checkpoint_id.in_(batch)).order_by(M.c.checkpoint_id, M.c.name)):
-            metrics.setdefault(m.checkpoint_id, {})[m.name] = math.nan if m.value is None else float(m.value)
+        for m in conn.execute(
+            select(METRICS).where(METRICS.c.checkpoint_id.in_(batch)).order_by(METRICS.c.checkpoint_id, METRICS.c.name)
+        ):
+            try:
+                metrics.setdefault(m.checkpoint_id, {})[m.name] = _metric(m.value)
+            except (TypeError, ValueError) as err:
+                problems.setdefault(m.checkpoint_id, f"metric {m.name!r}: {err}")
         tags: dict[int, list[str]] = {}
-        for t in conn.execute(select(T.c.checkpoint_id, T.c.name).where(T.c.checkpoint_id.in_(batch)).order_by(T.c.name)):
+        for t in conn.execute(
+            select(TAGS.c.checkpoint_id, TAGS.c.name).where(TAGS.c.checkpoint_id.in_(batch)).order_by(TAGS.c.name)
+        ):
             tags.setdefault(t.checkpoint_id, []).append(t.name)
         layout: dict[int, tuple[set[int], list[str]]] = {}
         for e in conn.execute(
-            select(E.c.checkpoint_id, E.c.rank, E.c.sub_key).where(E.c.checkpoint_id.in_(batch)).order_by(E.c.id)
+            select(ENTRIES.c.checkpoint_id, ENTRIES.c.rank, ENTRIES.c.sub_key)
+            .where(ENTRIES.c.checkpoint_id.in_(batch))
+            .order_by(ENTRIES.c.id)
         ):
             ranks, keys = layout.setdefault(e.checkpoint_id, (set(), []))
             ranks.add(e.rank)
             if e.sub_key not in keys:
                 keys.append(e.sub_key)
         for r in rows:
+            try:
+                world = WorldLayout.from_json(json.loads(r.world_layout))
+            except (ValueError, TypeError, KeyError, CkstoreError) as err:
+                problems.setdefault(r.id, f"world layout {str(r.world_layout)[:80]!r}: {err}")
+            if r.id in problems:
+                out.corrupt[r.id] = _Corrupt(r.run_name, int(r.step), problems[r.id])
+                continue
             ranks, keys = layout.get(r.id, (set(), []))
-            out[r.id] = Checkpoint(
+            out.records[r.id] = Checkpoint(
                 id=r.id,
                 run=r.run_name,
                 step=int(r.step),
                 kind=r.kind,
                 status=r.status,
-                created_at=aware(r.created_at),  # type: ignore[arg-type]
+                created_at=aware(r.created_at),
                 committed_at=aware(r.committed_at),
                 logical_bytes=int(r.logical_bytes or 0),
                 stored_bytes_added=int(r.stored_bytes_added or 0),
-                world_layout=WorldLayout.from_json(json.loads(r.world_layout)),
+                world_layout=world,
                 metrics=metrics.get(r.id, {}),
                 tags=tuple(tags.get(r.id, ())),
                 ranks=tuple(sorted(ranks)),
                 sub_keys=tuple(keys),
                 parent=f"{r.prun}@{r.pstep}" if r.prun is not None else None,
             )
-    return [out[i] for i in ids if i in out]
+    return out
 
 
 def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
     """The id of the committed checkpoint ``ref`` names, within ``run`` when given."""
     q = (
-        select(C.c.id, RUNS.c.name)
-        .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id))
-        .where(C.c.status == COMMITTED)
+        select(CHECKPOINTS.c.id, RUNS.c.name)
+        .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+        .where(CHECKPOINTS.c.status == COMMITTED)
     )
     if run is not None:
         q = q.where(RUNS.c.name == run)
     where = f" in run {run!r}" if run else ""
     if ref.kind == "latest":
-        order = (C.c.step.desc(), C.c.committed_at.desc()) if run else (C.c.committed_at.desc(), C.c.id.desc())
+        order = (
+            (CHECKPOINTS.c.step.desc(), CHECKPOINTS.c.committed_at.desc())
+            if run
+            else (CHECKPOINTS.c.committed_at.desc(), CHECKPOINTS.c.id.desc())
+        )
         row = conn.execute(q.order_by(*order).limit(1)).first()
         if row is None:
             raise CheckpointNotFoundError(f"no committed checkpoint{where} yet")
     elif ref.kind == "step":
-        rows = conn.execute(q.where(C.c.step == ref.value).limit(2)).all()
+        rows = conn.execute(q.where(CHECKPOINTS.c.step == ref.value).limit(2)).all()
         if not rows:
             raise CheckpointNotFoundError(f"no committed checkpoint at step {ref.value}{where} (see `ckstore log`)")
         if len(rows) > 1:
@@ -99,7 +189,7 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
         row = rows[0]
     elif ref.kind == "tag":
         rows = conn.execute(
-            q.join(T, T.c.checkpoint_id == C.c.id).where(T.c.name == ref.value).limit(2)
+            q.join(TAGS, TAGS.c.checkpoint_id == CHECKPOINTS.c.id).where(TAGS.c.name == ref.value).limit(2)
         ).all()
         if not rows:
             raise CheckpointNotFoundError(f"no checkpoint tagged {ref.value!r}{where} (see `ckstore log`)")
@@ -110,13 +200,107 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
             )
         row = rows[0]
     else:
-        value = M.c.value.asc() if ref.kind == "min" else M.c.value.desc()
+        value = METRICS.c.value.asc() if ref.kind == "min" else METRICS.c.value.desc()
+        ranked = [METRICS.c.name == ref.value, METRICS.c.value.is_not(None)]
+        if conn.dialect.name == "sqlite":  # a damaged value stored as text ranks like a missing one
+            ranked.append(func.typeof(METRICS.c.value).in_(("real", "integer")))
         row = conn.execute(
-            q.join(M, M.c.checkpoint_id == C.c.id)
-            .where(M.c.name == ref.value, M.c.value.is_not(None))
-            .order_by(value, C.c.step.desc())
+            q.join(METRICS, METRICS.c.checkpoint_id == CHECKPOINTS.c.id)
+            .where(*ranked)
+            .order_by(value, CHECKPOINTS.c.step.desc())
             .limit(1)
         ).first()
         if row is None:
             raise CheckpointNotFoundError(f"no committed checkpoint{where} has metric {ref.value!r}")
     return int(row.id)
+
+
+class QueriesMixin(CatalogBase):
+    def checkpoints(self, run: str | None = None, *, status: str = COMMITTED) -> list[Checkpoint]:
+        """Checkpoints of ``run`` (or of every run) by run and step; one whose rows are corrupt is
+        skipped with a :class:`CorruptRowWarning`."""
+        with self._read() as conn:
+            q = (
+                select(CHECKPOINTS.c.id)
+                .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+                .where(CHECKPOINTS.c.status == status)
+            )
+            if run is not None:
+                run_id(conn, run)
+                q = q.where(RUNS.c.name == run)
+            ids = [i for (i,) in conn.execute(q.order_by(RUNS.c.id, CHECKPOINTS.c.step))]
+            return load_records(conn, ids).listed(ids)
+
+    def get(self, ckpt_id: int) -> Checkpoint:
+        with self._read() as conn:
+            return load_records(conn, [ckpt_id]).one(ckpt_id)
+
+    def resolve(self, ref: Ref, default_run: str | None = None) -> Checkpoint:
+        run = ref.run or default_run
+        with self._read() as conn:
+            if run is not None:
+                run_id(conn, run)  # an unknown run is an error of its own
+            found = resolve_ref(conn, ref, run)
+            return load_records(conn, [found]).one(found)
+
+    def entries(
+        self, ckpt_id: int, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None
+    ) -> list[tuple[int, str, bytes]]:
+        """``(rank, sub_key, manifest)`` of a checkpoint's entries, by rank."""
+        with self._read() as conn:
+            q = select(ENTRIES.c.rank, ENTRIES.c.sub_key, ENTRIES.c.manifest).where(
+                ENTRIES.c.checkpoint_id == ckpt_id
+            )
+            if ranks is not None:
+                q = q.where(ENTRIES.c.rank.in_(list(ranks)))
+            if sub_keys is not None:
+                q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
+            return [
+                (int(r.rank), r.sub_key, bytes(r.manifest)) for r in conn.execute(q.order_by(ENTRIES.c.rank, ENTRIES.c.id))
+            ]
+
+    def chunk_locations(self, digests: Iterable[bytes]) -> dict[bytes, ChunkLocation]:
+        wanted = list(dict.fromkeys(digests))
+        out: dict[bytes, ChunkLocation] = {}
+        with self._read() as conn:
+            for batch in batches(wanted):
+                rows = conn.execute(
+                    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+                    .select_from(CHUNKS.join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
+                    .where(CHUNKS.c.digest.in_(batch))
+                )
+                for r in rows:
+                    out[bytes(r.digest)] = ChunkLocation(
+                        r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec)
+                    )
+        return out
+
+    def is_empty(self) -> bool:
+        """True when the catalog records no run and no pack yet."""
+        with self._read() as conn:
+            return not conn.execute(select(exists(select(RUNS.c.id)) | exists(select(PACKS.c.id)))).scalar()
+
+    def stored_bytes(self) -> int:
+        """Stored (compressed) bytes of every chunk the catalog records."""
+        with self._read() as conn:
+            return int(conn.execute(select(func.coalesce(func.sum(CHUNKS.c.length), 0))).scalar_one())
+
+    def pending(self) -> list[Pending]:
+        """Pending checkpoints (commits in flight, or dead ones gc has yet to reap), by id."""
+        with self._read() as conn:
+            return pending_checkpoints(conn)
+
+    def delete_checkpoint(self, ckpt_id: int) -> None:
+        """Remove a committed checkpoint's rows (its chunk references go with it)."""
+        with self._write(lock="shared") as conn:
+            conn.execute(delete(CHECKPOINTS).where(CHECKPOINTS.c.id == ckpt_id))
+
+
+def pending_checkpoints(conn: Connection) -> list[Pending]:
+    rows = conn.execute(
+        select(CHECKPOINTS.c.id, RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.owner, CHECKPOINTS.c.heartbeat_at)
+        .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+        .where(CHECKPOINTS.c.status == PENDING)
+        .order_by(CHECKPOINTS.c.id)
+    )
+    return [pending_row(r) for r in rows]

@@ -1,33 +1,47 @@
 """Row-level building blocks of the catalog: table handles, time and batching helpers, the
-identity of a committer, and the small value types the commit protocol passes around."""
+predicates several statements share, and the small value types the catalog hands out."""
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple, TypeVar, overload
 
-from ._schema import Base, CheckpointRow, Chunk, ChunkRef, Entry, Metric, Pack, Run, Tag, Trash
+from sqlalchemy import ColumnElement, Connection, exists, select
+
+from ..errors import NotFoundError
+from ._schema import (
+    PENDING,
+    Base,
+    CheckpointRow,
+    Chunk,
+    ChunkRef,
+    Entry,
+    Metric,
+    Pack,
+    Run,
+    Tag,
+    Trash,
+)
 
 __all__ = [
-    "C", "E", "P", "K", "R", "M", "T", "RUNS", "TRASH", "TABLES",
-    "utcnow", "aware", "batches", "Owner", "NewChunk", "ChunkLocation", "mark_live",
+    "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH",
+    "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
+    "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
 
 _BATCH = 500
+_T = TypeVar("_T")
 
 _TABLES = Base.metadata.tables
-C = _TABLES[CheckpointRow.__tablename__]
-E = _TABLES[Entry.__tablename__]
-P = _TABLES[Pack.__tablename__]
-K = _TABLES[Chunk.__tablename__]
-R = _TABLES[ChunkRef.__tablename__]
-M = _TABLES[Metric.__tablename__]
-T = _TABLES[Tag.__tablename__]
+CHECKPOINTS = _TABLES[CheckpointRow.__tablename__]
+ENTRIES = _TABLES[Entry.__tablename__]
+PACKS = _TABLES[Pack.__tablename__]
+CHUNKS = _TABLES[Chunk.__tablename__]
+CHUNK_REFS = _TABLES[ChunkRef.__tablename__]
+METRICS = _TABLES[Metric.__tablename__]
+TAGS = _TABLES[Tag.__tablename__]
 RUNS = _TABLES[Run.__tablename__]
 TRASH = _TABLES[Trash.__tablename__]
 
@@ -36,82 +50,42 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+@overload
+def aware(dt: datetime) -> datetime: ...
+@overload
+def aware(dt: None) -> None: ...
 def aware(dt: datetime | None) -> datetime | None:
+    """A time read from the catalog, in UTC (SQLite hands back naive times; they are UTC)."""
     if dt is None:
         return None
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
-def batches(items: Sequence[Any], n: int = _BATCH) -> Iterator[Sequence[Any]]:
+def batches(items: Sequence[_T], n: int = _BATCH) -> Iterator[Sequence[_T]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
 
 
-
-# Re-exported for modules that run set-based statements (gc, fsck, du).
-TABLES = {"checkpoints": C, "entries": E, "packs": P, "chunks": K, "chunk_refs": R, "metrics": M, "tags": T, "runs": RUNS, "trash": TRASH}
-
-
-# nonces of the commits this process has in flight: a pending row of this very process whose
-# nonce is not here belongs to a commit that failed without cleaning up (the catalog was down)
-_LIVE_NONCES: set[str] = set()
-_LIVE_LOCK = threading.Lock()
+def no_such_run(name: str) -> NotFoundError:
+    return NotFoundError(f"no run named {name!r} in this store (see `ckstore runs`)")
 
 
-def mark_live(nonce: str, alive: bool) -> None:
-    with _LIVE_LOCK:
-        (_LIVE_NONCES.add if alive else _LIVE_NONCES.discard)(nonce)
+def run_id(conn: Connection, name: str) -> int:
+    """The id of run ``name``; :class:`NotFoundError` when the store has no such run."""
+    rid = conn.execute(select(RUNS.c.id).where(RUNS.c.name == name)).scalar()
+    if rid is None:
+        raise no_such_run(name)
+    return int(rid)
 
 
-def _proc_start(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return "0"
+def unreferenced_chunk() -> ColumnElement[bool]:
+    """A chunk row no checkpoint (committed or pending) references: garbage for the next gc."""
+    return ~exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id)
 
 
-@dataclass(frozen=True, slots=True)
-class Owner:
-    """Who is committing: host, pid, the pid's start time (against pid reuse) and a nonce."""
-
-    host: str
-    pid: int
-    start: str
-    nonce: str
-
-    @classmethod
-    def me(cls) -> Owner:
-        pid = os.getpid()
-        return cls(socket.gethostname(), pid, _proc_start(pid), os.urandom(4).hex())
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.pid}:{self.start}:{self.nonce}"
-
-    @classmethod
-    def parse(cls, s: str) -> Owner:
-        host, pid, start, nonce = s.rsplit(":", 3)
-        return cls(host, int(pid), start, nonce)
-
-    def describe(self) -> str:
-        return f"process {self.pid} on {self.host}"
-
-    def alive_here(self) -> bool | None:
-        """True/False when the owner ran on this host; None when it ran elsewhere."""
-        if self.host != socket.gethostname():
-            return None
-        if self.pid == os.getpid() and self.start == _proc_start(self.pid):
-            with _LIVE_LOCK:
-                return self.nonce in _LIVE_NONCES
-        if not os.path.exists(f"/proc/{self.pid}"):
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-            return True
-        return _proc_start(self.pid) == self.start
+def owned_by_live_commit() -> ColumnElement[bool]:
+    """A pack row a commit still in flight (a pending checkpoint) owns."""
+    return PACKS.c.owner_checkpoint_id.in_(select(CHECKPOINTS.c.id).where(CHECKPOINTS.c.status == PENDING))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +106,15 @@ class ChunkLocation:
     codec: int
 
 
+class Pending(NamedTuple):
+    """A pending checkpoint: a commit in flight, or one that died before finishing."""
+
+    id: int
+    run: str
+    step: int
+    owner: str
+    heartbeat_at: datetime  # aware, UTC
+
+
+def pending_row(r: Any) -> Pending:
+    return Pending(int(r.id), r.name, int(r.step), r.owner, aware(r.heartbeat_at))

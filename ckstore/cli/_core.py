@@ -266,17 +266,8 @@ def upgrade(obj: Ctx) -> None:
 @handle_errors
 def current(obj: Ctx) -> None:
     """Print the catalog's schema revision and the one this ckstore needs."""
-    from sqlalchemy import text
-
-    from ..catalog._engine import head_revision
-
-    cat = _unchecked_catalog(obj)
-    with cat.engine.connect() as conn:
-        try:
-            rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
-        except Exception:  # noqa: BLE001 - no version table yet
-            rev = None
-    console.print(f"catalog revision {esc(rev or '(none)')}; this ckstore needs {esc(head_revision(cat.engine))}")
+    rev, head = _unchecked_catalog(obj).revisions()
+    console.print(f"catalog revision {esc(rev or '(none)')}; this ckstore needs {esc(head)}")
 
 
 COMMANDS = [init, runs, log, show, tag, untag, db]

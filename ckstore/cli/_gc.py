@@ -208,7 +208,7 @@ def policy_show(obj: Ctx, run: str | None, as_json: bool) -> None:
     store = obj.open()
     names = [run] if run else [r.name for r in store.runs()]
     if run:
-        store.catalog.checkpoints(run)  # an unknown run is an error
+        store.catalog.require_run(run)
     pols = {n: store.policy(n) for n in names}
     if as_json:
         print_json({n: (p.to_json() if p else None) for n, p in pols.items()})
@@ -224,7 +224,7 @@ def policy_show(obj: Ctx, run: str | None, as_json: bool) -> None:
 def policy_clear(obj: Ctx, run: str) -> None:
     """Remove RUN's stored policy (it then keeps everything)."""
     store = obj.open()
-    store.catalog.checkpoints(run)
+    store.catalog.require_run(run)
     store.set_policy(run, None)
     console.print(f"run {esc(run)}: no retention policy (keeps everything)")
 

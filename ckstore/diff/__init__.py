@@ -24,6 +24,7 @@ from ..errors import CheckpointNotFoundError, NotFoundError, StoreConfigError
 from ..records import Checkpoint
 from ._leaves import Leaf, Reader, Side, TensorLeaf, ValueLeaf, decode, pairs, read_side
 from ._stats import Accumulator
+from ._view import StoreView
 
 __all__ = [
     "LeafInfo",
@@ -35,6 +36,7 @@ __all__ = [
     "diff_checkpoints",
     "module_of",
     "series",
+    "StoreView",
 ]
 
 IDENTICAL = "identical"
@@ -389,7 +391,7 @@ def _check_options(stats: bool, tolerance: float | None) -> None:
 
 
 def diff_checkpoints(
-    store: Any,
+    store: StoreView,
     a: Checkpoint,
     b: Checkpoint,
     *,
@@ -419,7 +421,7 @@ def diff_checkpoints(
 
 
 def _compare(
-    store: Any, sa: Side, sb: Side, stats: bool, tolerance: float | None, options: dict[str, Any]
+    store: StoreView, sa: Side, sb: Side, stats: bool, tolerance: float | None, options: dict[str, Any]
 ) -> DiffResult:
     reader = Reader(store, f"diff of {sa.ckpt.ref} and {sb.ckpt.ref}")
     tensors: list[TensorDiff] = []
@@ -451,7 +453,7 @@ def _compare(
     )  # fmt: skip
 
 
-def _sharing(store: Any, ca: Mapping[bytes, int], cb: Mapping[bytes, int]) -> Sharing:
+def _sharing(store: StoreView, ca: Mapping[bytes, int], cb: Mapping[bytes, int]) -> Sharing:
     locs = store.catalog.chunk_locations([*ca, *(d for d in cb if d not in ca)])
 
     def size(ds: Sequence[bytes]) -> int:
@@ -464,7 +466,7 @@ def _sharing(store: Any, ca: Mapping[bytes, int], cb: Mapping[bytes, int]) -> Sh
 
 
 def series(
-    store: Any,
+    store: StoreView,
     checkpoints: Sequence[Checkpoint],
     *,
     sub_key: str | None = None,

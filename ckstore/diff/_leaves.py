@@ -18,10 +18,11 @@ from typing import Any
 from ..checkout.executor import execute_plan
 from ..checkout.reshard import StoredPiece, plan_boxes
 from ..format import tree as tree_format
-from ..format.manifest import Manifest, check_pieces
+from ..format.manifest import check_pieces
 from ..format.tensorio import dtype_from_name, format_path, itemsize
 from ..records import Checkpoint
 from ._stats import Accumulator
+from ._view import StoreView
 
 __all__ = ["TensorLeaf", "ValueLeaf", "Leaf", "Side", "read_side", "pairs", "decode", "Reader"]
 
@@ -112,10 +113,10 @@ def _matches(pattern: str | None, sub_key: str, path: str) -> bool:
 
 
 def read_side(
-    store: Any, ckpt: Checkpoint, sub_keys: list[str] | None, pattern: str | None
+    store: StoreView, ckpt: Checkpoint, sub_keys: list[str] | None, pattern: str | None
 ) -> Side:
     """The leaves of ``ckpt`` in ``sub_keys`` (all when None) whose key matches glob ``pattern``."""
-    mans: dict[tuple[int, str], Manifest] = store.manifests(ckpt, sub_keys=sub_keys)
+    mans = store.manifests(ckpt, sub_keys=sub_keys)
     where = f"run {ckpt.run!r}, step {ckpt.step}"
     pieces: dict[tuple[str, str], dict[tuple[tuple[int, ...], tuple[int, ...]], StoredPiece]] = {}
     gshape: dict[tuple[str, str], tuple[int, ...]] = {}
@@ -210,7 +211,7 @@ def _windows(shape: tuple[int, ...], elems: int) -> Iterator[tuple[tuple[int, in
 class Reader:
     """Reads the same window of both sides' global tensors through one read plan."""
 
-    def __init__(self, store: Any, where: str) -> None:
+    def __init__(self, store: StoreView, where: str) -> None:
         self.store = store
         self.where = where
         self.sizes: dict[str, int] = {}

@@ -9,11 +9,11 @@ from, so forking explicitly is optional.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import AlreadyExistsError, CheckpointNotFoundError, NotFoundError
 from ..records import Checkpoint
 from ..refs import check_name
+from ._view import StoreView
 
 __all__ = ["Ancestor", "resolve_ref_or_run", "fork", "lineage", "commit_parent"]
 
@@ -31,7 +31,7 @@ class Ancestor:
         return f"{self.run}@{self.step}"
 
 
-def resolve_ref_or_run(store: Any, ref: str | int | Checkpoint) -> Checkpoint:
+def resolve_ref_or_run(store: StoreView, ref: str | int | Checkpoint) -> Checkpoint:
     """The checkpoint ``ref`` names; a bare run name (no ``@``) names that run's latest checkpoint.
 
     A bare name is read as a run when a run of that name exists, else as a ref (a tag of the
@@ -41,11 +41,11 @@ def resolve_ref_or_run(store: Any, ref: str | int | Checkpoint) -> Checkpoint:
         return ref
     text = ref.strip() if isinstance(ref, str) else ""
     if not text or "@" in text or ":" in text or text == "latest" or text.isdigit():
-        return store.resolve(ref)  # type: ignore[no-any-return]
+        return store.resolve(ref)
     if store.catalog.run_origin(text) is not None:
-        return store.resolve("latest", run=text)  # type: ignore[no-any-return]
+        return store.resolve("latest", run=text)
     try:
-        return store.resolve(ref)  # type: ignore[no-any-return]
+        return store.resolve(ref)
     except NotFoundError as e:
         raise CheckpointNotFoundError(
             f"{text!r} names no run and no tag{f' in run {store.run!r}' if store.run else ''} "
@@ -53,7 +53,7 @@ def resolve_ref_or_run(store: Any, ref: str | int | Checkpoint) -> Checkpoint:
         ) from e
 
 
-def fork(store: Any, ref: str | int | Checkpoint, new_run: str) -> Checkpoint:
+def fork(store: StoreView, ref: str | int | Checkpoint, new_run: str) -> Checkpoint:
     """Start run ``new_run`` from the checkpoint ``ref`` names; returns that checkpoint.
 
     Forking again into the same run from the same checkpoint is a no-op, so a training script
@@ -80,26 +80,17 @@ def fork(store: Any, ref: str | int | Checkpoint, new_run: str) -> Checkpoint:
     return ckpt
 
 
-def lineage(store: Any, run: str) -> list[Ancestor]:
+def lineage(store: StoreView, run: str) -> list[Ancestor]:
     """The checkpoints ``run`` descends from, nearest first (its fork point, that run's fork
     point, …). A root run has none."""
-    origin = store.catalog.run_origin(run)
-    if origin is None:
-        raise NotFoundError(f"no run named {run!r} in this store (see `ckstore runs`)")
     out: list[Ancestor] = []
-    seen = {run}
-    while origin is not None and origin[1]:
-        parent_id, parent_ref, _ = origin
+    for parent_id, parent_ref in store.catalog.ancestry(run):
         prun, _, pstep = parent_ref.rpartition("@")
         out.append(Ancestor(prun, int(pstep), _fork_point(store, parent_id, parent_ref)))
-        if prun in seen:
-            break
-        seen.add(prun)
-        origin = store.catalog.run_origin(prun)
     return out
 
 
-def commit_parent(store: Any, parent: str | int | None, run: str) -> int | None:
+def commit_parent(store: StoreView, parent: str | int | None, run: str) -> int | None:
     """The parent checkpoint id a commit into ``run`` records.
 
     With no ``parent``, a forked run's first commit descends from its fork point. A first
@@ -117,13 +108,13 @@ def commit_parent(store: Any, parent: str | int | None, run: str) -> int | None:
     return int(ckpt.id)
 
 
-def _fork_point(store: Any, parent_id: int | None, parent_ref: str | None) -> Checkpoint | None:
+def _fork_point(store: StoreView, parent_id: int | None, parent_ref: str | None) -> Checkpoint | None:
     """The checkpoint a run was forked from, if it still exists. A run keeps the id without a
     foreign key, and a database may reuse the id of a deleted row, so the ref must match too."""
     if parent_id is None or not parent_ref:
         return None
     try:
-        ckpt: Checkpoint = store.catalog.get(parent_id)
+        ckpt = store.catalog.get(parent_id)
     except CheckpointNotFoundError:
         return None
     return ckpt if ckpt.ref == parent_ref else None

@@ -18,32 +18,21 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from sqlalchemy import func, select
 
 from ..blobstore import BlobNotFoundError, BlobStore
-from ..catalog import Catalog, utcnow
-from ..catalog._schema import COMMITTED
+from ..catalog import Catalog, CheckpointId, ChunkSpan, PackExtent, Survey, utcnow
 from ..errors import BlobStoreError, IntegrityError
 from ..format import codec, hashing
 from ..format.manifest import MAX_CHUNK_SIZE, Manifest, TensorRecord, check_pieces
 from .gc import (
-    RUNS,
-    TRASH,
-    C,
-    E,
-    K,
-    P,
     Progress,
-    R,
     Reaped,
-    catalog_read,
-    catalog_write,
+    check_grace,
+    find_orphans,
     judge_pending,
     list_packs,
-    pending_rows,
     reap_abandoned,
     remove_temp_files,
     stale_temp_files,
@@ -116,20 +105,18 @@ class FsckReport:
         return list(dict.fromkeys(d.ref for d in self.damage))
 
 
-def _verify_pack(
-    blobs: BlobStore, key: str, size: int, chunks: Sequence[Any]
-) -> tuple[dict[bytes, str], int]:
+def _verify_pack(blobs: BlobStore, key: str, chunks: Sequence[ChunkSpan]) -> tuple[dict[bytes, str], int]:
     """Read one pack and check every chunk row of it: ``({digest: problem}, bytes read)``."""
     try:
         data = memoryview(blobs.read(key))
     except BlobNotFoundError:
-        return {bytes(c.digest): f"pack object {key} is missing" for c in chunks}, 0
+        return {c.digest: f"pack object {key} is missing" for c in chunks}, 0
     except BlobStoreError as e:
-        return {bytes(c.digest): f"pack object {key} cannot be read: {e}" for c in chunks}, 0
+        return {c.digest: f"pack object {key} cannot be read: {e}" for c in chunks}, 0
     bad: dict[bytes, str] = {}
     for c in chunks:
-        d = bytes(c.digest)
-        end = int(c.offset) + int(c.length)
+        d = c.digest
+        end = c.offset + c.length
         if end > len(data):
             bad[d] = f"pack object {key} is {len(data)} bytes, the chunk ends at byte {end}"
             continue
@@ -150,7 +137,7 @@ def _verify_pack(
 def _deep(
     catalog: Catalog,
     blobs: BlobStore,
-    packs: Sequence[Any],
+    packs: Sequence[PackExtent],
     workers: int,
     progress: Progress | None,
 ) -> tuple[dict[bytes, tuple[str, str]], int, int]:
@@ -158,17 +145,13 @@ def _deep(
     total_read = 0
     checked = 0
 
-    def one(p: Any) -> tuple[Any, dict[bytes, str], int, int]:
-        with catalog_read(catalog) as conn:
-            rows = conn.execute(
-                select(K.c.digest, K.c.offset, K.c.length, K.c.raw_size)
-                .where(K.c.pack_id == p.id)
-                .order_by(K.c.offset)
-            ).all()
-        found, n = _verify_pack(blobs, p.key, int(p.size), rows)
+    def one(p: PackExtent) -> tuple[PackExtent, dict[bytes, str], int, int]:
+        with catalog.snapshot() as survey:
+            rows = survey.pack_chunks(p.id)
+        found, n = _verify_pack(blobs, p.key, rows)
         if found and not blobs.exists(p.key):
-            with catalog_read(catalog) as conn:  # swept by a gc running meanwhile: not damage
-                if conn.execute(select(P.c.id).where(P.c.id == p.id)).first() is None:
+            with catalog.snapshot() as survey:  # swept by a gc running meanwhile: not damage
+                if not survey.existing_packs([p.id]):
                     return p, {}, n, 0
         return p, found, n, len(rows)
 
@@ -185,9 +168,9 @@ def _deep(
 
 def _shallow(
     catalog: Catalog,
-    conn: Any,
+    survey: Survey,
     blobs: BlobStore,
-    packs: Sequence[Any],
+    packs: Sequence[PackExtent],
     listing: Mapping[str, tuple[int, float | None]],
 ) -> dict[bytes, tuple[str, str]]:
     """Chunks whose pack object is missing, or too short for them.
@@ -196,84 +179,51 @@ def _shallow(
     (a commit may have written it since), and a flagged pack whose row a gc running meanwhile has
     removed is not damage (gc deletes rows before objects).
     """
-    flagged = []
+    flagged: list[tuple[PackExtent, int | None, str]] = []  # (pack, chunks ending past, problem)
     for p in packs:
         if p.key not in listing:
-            if blobs.exists(p.key):
-                continue
-            flagged.append(
-                (
-                    p,
-                    select(K.c.digest).where(K.c.pack_id == p.id),
-                    f"pack object {p.key} is missing",
-                )
-            )
-        elif listing[p.key][0] < int(p.end):
+            if not blobs.exists(p.key):
+                flagged.append((p, None, f"pack object {p.key} is missing"))
+        elif listing[p.key][0] < p.end:
             size = listing[p.key][0]
-            q = select(K.c.digest).where(K.c.pack_id == p.id, K.c.offset + K.c.length > size)
-            flagged.append(
-                (
-                    p,
-                    q,
-                    f"pack object {p.key} is {size} bytes, shorter than its chunks need ({p.end})",
-                )
-            )
+            flagged.append((p, size, f"pack object {p.key} is {size} bytes, shorter than its chunks need ({p.end})"))
     if not flagged:
         return {}
-    with catalog_read(catalog) as fresh:
-        still = {
-            i
-            for (i,) in fresh.execute(
-                select(P.c.id).where(P.c.id.in_([p.id for p, _, _ in flagged]))
-            )
-        }
+    with catalog.snapshot() as fresh:
+        still = fresh.existing_packs(p.id for p, _, _ in flagged)
     bad: dict[bytes, tuple[str, str]] = {}
-    for p, q, why in flagged:
+    for p, past, why in flagged:
         if p.id in still:
-            for (d,) in conn.execute(q):
-                bad[bytes(d)] = (p.key, why)
+            for c in survey.pack_chunks(p.id, ending_past=past):
+                bad[c.digest] = (p.key, why)
     return bad
 
 
 def _walk_manifests(
-    conn: Any, ckpts: Sequence[Any], bad: Mapping[bytes, tuple[str, str]]
+    survey: Survey, ckpts: Sequence[CheckpointId], bad: Mapping[bytes, tuple[str, str]]
 ) -> tuple[list[Damage], set[bytes]]:
     """Damage per (checkpoint, rank, key, tensor, chunk), and the damaged digests in use."""
     damage: list[Damage] = []
     used_bad: set[bytes] = set()
     for ck in ckpts:
-        refs = {
-            bytes(d): int(raw)
-            for (d, raw) in conn.execute(
-                select(K.c.digest, K.c.raw_size)
-                .select_from(R.join(K, K.c.id == R.c.chunk_id))
-                .where(R.c.checkpoint_id == ck.id)
-            )
-        }
-        entries = conn.execute(
-            select(E.c.rank, E.c.sub_key, E.c.manifest)
-            .where(E.c.checkpoint_id == ck.id)
-            .order_by(E.c.rank, E.c.id)
-        )
+        refs = survey.referenced_chunks(ck.id)
         pieces: dict[tuple[str, str], tuple[int, list[TensorRecord]]] = {}
-        for e in entries:
+        for rank, sub_key, raw in survey.entries(ck.id):
             try:
-                man = Manifest.from_bytes(bytes(e.manifest), f"{ck.name}@{ck.step} rank {e.rank} {e.sub_key}")
+                man = Manifest.from_bytes(raw, f"{ck.run}@{ck.step} rank {rank} {sub_key}")
             except IntegrityError as err:
-                damage.append(
-                    Damage(ck.name, int(ck.step), int(e.rank), e.sub_key, "", "", "", str(err))
-                )
+                damage.append(Damage(ck.run, ck.step, rank, sub_key, "", "", "", str(err)))
                 continue
             for t in man.tensors:
                 if t.shard is not None and t.nbytes:
-                    pieces.setdefault((e.sub_key, t.path), (int(e.rank), []))[1].append(t)
+                    pieces.setdefault((sub_key, t.path), (rank, []))[1].append(t)
             for t in man.tensors:
                 for i, d in enumerate(t.chunks):
                     span = t.chunk_span(i)
                     if d in refs and refs[d] != span[1] - span[0]:
                         damage.append(
                             Damage(
-                                ck.name, int(ck.step), int(e.rank), e.sub_key, t.path, d.hex(), "",
+                                ck.run, ck.step, rank, sub_key, t.path, d.hex(), "",
                                 f"the manifest needs {span[1] - span[0]} raw bytes of chunk {i}, the catalog "
                                 f"records {refs[d]}",
                             )
@@ -282,22 +232,11 @@ def _walk_manifests(
                     if d in bad:
                         used_bad.add(d)
                         key, why = bad[d]
-                        damage.append(
-                            Damage(
-                                ck.name,
-                                int(ck.step),
-                                int(e.rank),
-                                e.sub_key,
-                                t.path,
-                                d.hex(),
-                                key,
-                                why,
-                            )
-                        )
+                        damage.append(Damage(ck.run, ck.step, rank, sub_key, t.path, d.hex(), key, why))
                     elif d not in refs:
                         damage.append(
                             Damage(
-                                ck.name, int(ck.step), int(e.rank), e.sub_key, t.path, d.hex(), "",
+                                ck.run, ck.step, rank, sub_key, t.path, d.hex(), "",
                                 "the catalog has no reference from this checkpoint to the chunk, so nothing "
                                 "protects it from gc (and it may already be gone)",
                             )
@@ -306,7 +245,7 @@ def _walk_manifests(
             try:
                 check_pieces(recs, f"{sub_key}, key {path!r}")
             except IntegrityError as err:
-                damage.append(Damage(ck.name, int(ck.step), rank, sub_key, path, "", "", str(err)))
+                damage.append(Damage(ck.run, ck.step, rank, sub_key, path, "", "", str(err)))
     return damage, used_bad
 
 
@@ -316,73 +255,46 @@ def check(
     *,
     deep: bool = False,
     repair: bool = False,
-    grace: float,
+    grace: float | None = None,
     workers: int = 2,
     progress: Progress | None = None,
 ) -> FsckReport:
+    grace = check_grace(grace)
     t0 = time.perf_counter()
     now = utcnow()
     cutoff = time.time() - grace
     listing = list_packs(blobs, progress)  # before the catalog read: an unknown object is an orphan
 
-    with catalog_read(catalog) as conn:
-        packs = conn.execute(
-            select(
-                P.c.id,
-                P.c.key,
-                P.c.size,
-                func.max(K.c.offset + K.c.length).label("end"),
-                func.count().label("n"),
-            )
-            .select_from(P.join(K, K.c.pack_id == P.c.id))
-            .group_by(P.c.id, P.c.key, P.c.size)
-            .order_by(P.c.id)
-        ).all()
-        known = {k for (k,) in conn.execute(select(P.c.key))} | {
-            k for (k,) in conn.execute(select(TRASH.c.key))
-        }
-        trash = int(conn.execute(select(func.count()).select_from(TRASH)).scalar_one())
-        unref_n, unref_b = conn.execute(
-            select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(
-                ~select(R.c.chunk_id).where(R.c.chunk_id == K.c.id).exists()
-            )
-        ).one()
+    with catalog.snapshot() as survey:
+        packs = survey.packs_in_use()
+        orphans = tuple((k, listing[k][0]) for k in find_orphans(survey, listing, None))
+        trash = len(survey.trash_keys())
+        unref_n, unref_b = survey.unreferenced_chunks()
         pend = []
-        for r in pending_rows(conn):
-            verdict = judge_pending(r.owner, r.heartbeat_at, grace, now)
-            pend.append(
-                PendingCommit(
-                    r.name, int(r.step), r.owner, _age(now, r.heartbeat_at), verdict and verdict[0]
-                )
-            )
-        bad = _shallow(catalog, conn, blobs, packs, listing)
-        chunks = sum(int(p.n) for p in packs)
+        for p in survey.pending():
+            verdict = judge_pending(p, grace, now)
+            age = (now - p.heartbeat_at).total_seconds()
+            pend.append(PendingCommit(p.run, p.step, p.owner, age, verdict and verdict[0]))
+        bad = _shallow(catalog, survey, blobs, packs, listing)
+        chunks = sum(p.chunks for p in packs)
         bytes_read = 0
         if deep:
-            more, bytes_read, _ = _deep(
-                catalog, blobs, [p for p in packs if p.key in listing], workers, progress
-            )
+            more, bytes_read, _ = _deep(catalog, blobs, [p for p in packs if p.key in listing], workers, progress)
             for d, v in more.items():
                 bad.setdefault(d, v)
-        ckpts = conn.execute(
-            select(C.c.id, RUNS.c.name, C.c.step)
-            .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id))
-            .where(C.c.status == COMMITTED)
-            .order_by(RUNS.c.id, C.c.step)
-        ).all()
-        damage, used_bad = _walk_manifests(conn, ckpts, bad)
+        ckpts = survey.committed()
+        damage, used_bad = _walk_manifests(survey, ckpts, bad)
 
-    orphans = tuple(sorted((k, listing[k][0]) for k in listing if k not in known))
     temps = tuple(stale_temp_files(blobs, cutoff, catalog))
     fixed_orphans: tuple[str, ...] = ()
     fixed_pending: tuple[Reaped, ...] = ()
     fixed_temps = 0
     if repair:
-        old = [k for k, _ in orphans if (listing[k][1] is not None and listing[k][1] < cutoff)]  # type: ignore[operator]
+        old = [k for k, _ in orphans if (mtime := listing[k][1]) is not None and mtime < cutoff]
         blobs.delete(old)
         fixed_orphans = tuple(old)
-        with catalog_write(catalog) as conn:
-            fixed_pending = tuple(reap_abandoned(conn, grace, utcnow()))
+        with catalog.gc_transaction(exclusive=False) as txn:
+            fixed_pending = tuple(reap_abandoned(txn, grace, utcnow()))
         fixed_temps = remove_temp_files(blobs, temps)
     return FsckReport(
         deep=deep,
@@ -404,8 +316,3 @@ def check(
         seconds=time.perf_counter() - t0,
     )
 
-
-def _age(now: Any, at: Any) -> float:
-    if at.tzinfo is None:
-        at = at.replace(tzinfo=now.tzinfo)
-    return float((now - at).total_seconds())

@@ -12,28 +12,24 @@ says why each step is safe while other processes commit and read):
 3. delete the trashed objects, then their trash rows;
 4. delete orphan objects (no pack row, no trash row) and stale temp files older than the grace.
 
-Every statement over chunks and references is set-based; Python only sees checkpoints, pending
-rows and packs. A dry run does step 2 in a transaction it rolls back, so it reports exactly what
+The statements themselves are the catalog's (:class:`~ckstore.catalog.GcTransaction`); this
+module decides what to drop and reap, and deletes objects. A dry run does step 2 in a transaction it rolls back, so it reports exactly what
 a real run would do.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
-
-from sqlalchemy import Connection, DateTime, Table, and_, delete, exists, func, literal, or_, select
 
 from ..blobstore import BlobStore
-from ..catalog import TABLES, Catalog, Owner, utcnow
-from ..catalog._schema import COMMITTED, PENDING
-from ..errors import NotFoundError, PolicyError
-from .retention import KeepAll, Policy, policy_from_json
+from ..catalog import Candidate, Catalog, GcTransaction, Owner, Pending, Survey, utcnow
+from ..errors import PolicyError, ProtectedCheckpointError
+from ..records import Checkpoint
+from ..refs import check_name
+from .retention import KeepAll, Policy, policy_from_json, policy_to_json
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -45,6 +41,9 @@ __all__ = [
     "Reaped",
     "RunRetention",
     "collect",
+    "delete",
+    "set_policy",
+    "stored_policy",
 ]
 
 #: Seconds a commit in flight may go without a heartbeat, and an unknown object or temp file may
@@ -52,46 +51,12 @@ __all__ = [
 #: interval (a quarter of the store's lease).
 DEFAULT_GRACE = 3600.0
 PACK_PREFIX = "packs/"
-_BATCH = 500
 
 #: ``progress(phase, done, total)``; ``total`` is 0 while unknown.
 Progress = Callable[[str, int, int], None]
 
 
-def _table(name: str) -> Table:
-    return TABLES[name]
-
-
-C, P, K, R, E = (_table(n) for n in ("checkpoints", "packs", "chunks", "chunk_refs", "entries"))
-M, T, RUNS, TRASH = (_table(n) for n in ("metrics", "tags", "runs", "trash"))
-
-
-# -- transactions -------------------------------------------------------------------------------
-def catalog_write(catalog: Catalog, lock: str | None = None) -> AbstractContextManager[Connection]:
-    """A write transaction (``lock="exclusive"`` for sweeps); a failure rolls it back, and gc
-    can simply run again."""
-    return catalog.transaction(lock)
-
-
-def catalog_read(catalog: Catalog) -> AbstractContextManager[Connection]:
-    """A read transaction that sees one snapshot (REPEATABLE READ on PostgreSQL)."""
-    return catalog.snapshot()
-
-
 # -- report types -------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A committed checkpoint as policies see it."""
-
-    id: int
-    run: str
-    step: int
-    kind: str
-    committed_at: datetime | None
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    tags: tuple[str, ...] = ()
-
-
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A checkpoint a policy kept (with the reasons) or dropped (no reasons)."""
@@ -149,92 +114,49 @@ class GcReport:
         return self.pack_bytes_freed + self.orphan_bytes_freed
 
 
-class _Rollback(Exception):
-    pass
-
-
 # -- policies ---------------------------------------------------------------------------------
-def load_candidates(conn: Connection, run: str | None) -> dict[str, list[Candidate]]:
-    """Committed checkpoints by run (every run, or one), with metrics and tags; on PostgreSQL
-    their rows stay locked until the transaction ends, so a tag added meanwhile waits."""
-    cond = [C.c.status == COMMITTED]
-    if run is not None:
-        cond.append(RUNS.c.name == run)
-    ckpts = C.join(RUNS, RUNS.c.id == C.c.run_id)
-    rows = conn.execute(
-        select(C.c.id, RUNS.c.name, C.c.step, C.c.kind, C.c.committed_at)
-        .select_from(ckpts)
-        .where(*cond)
-        .order_by(RUNS.c.id, C.c.step)
-        .with_for_update(of=C)
-    ).all()
-    metrics: dict[int, dict[str, float]] = {}
-    q = select(M.c.checkpoint_id, M.c.name, M.c.value).select_from(
-        ckpts.join(M, M.c.checkpoint_id == C.c.id)
-    )
-    for m in conn.execute(q.where(*cond)):
-        metrics.setdefault(m.checkpoint_id, {})[m.name] = (
-            math.nan if m.value is None else float(m.value)
-        )
-    tags: dict[int, list[str]] = {}
-    q = select(T.c.checkpoint_id, T.c.name).select_from(ckpts.join(T, T.c.checkpoint_id == C.c.id))
-    for t in conn.execute(q.where(*cond).order_by(T.c.name)):
-        tags.setdefault(t.checkpoint_id, []).append(t.name)
-    out: dict[str, list[Candidate]] = {}
-    for r in rows:
-        at = r.committed_at
-        if at is not None and at.tzinfo is None:
-            at = at.replace(tzinfo=utcnow().tzinfo)
-        out.setdefault(r.name, []).append(
-            Candidate(
-                r.id,
-                r.name,
-                int(r.step),
-                r.kind,
-                at,
-                metrics.get(r.id, {}),
-                tuple(tags.get(r.id, ())),
-            )
-        )
-    return out
+def _check_policy(policy: object) -> None:
+    if policy is not None and not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be a ckstore.maintenance.retention.Policy, got {type(policy).__name__}")
 
 
-def _policies(
-    conn: Connection, policy: Policy | None, run: str | None
-) -> dict[str, tuple[Policy | None, str]]:
-    # in creation order: without ORDER BY, PostgreSQL returns rows in heap order, which an
-    # UPDATE (set_policy) changes, so reports would list runs in another order than on SQLite
-    q = select(RUNS.c.name, RUNS.c.policy).order_by(RUNS.c.id)
-    if run is not None:
-        q = q.where(RUNS.c.name == run)
+def set_policy(catalog: Catalog, run: str, policy: Policy | None) -> None:
+    """Store ``policy`` as ``run``'s retention policy (None clears it)."""
+    _check_policy(policy)
+    catalog.set_run_policy(check_name("run", run), None if policy is None else policy_to_json(policy))
+
+
+def stored_policy(run: str, text: str | None) -> Policy | None:
+    """The policy a run stored (None: it has none); a malformed one is a :class:`PolicyError`
+    naming the run and the commands that fix it."""
+    if not text:
+        return None
+    try:
+        return policy_from_json(text)
+    except PolicyError as e:
+        raise PolicyError(
+            f"run {run!r} has a malformed stored policy ({e}); replace it with "
+            f"`ckstore policy set {run} --keep-last N ...` or clear it with `ckstore policy clear {run}`"
+        ) from e
+
+
+def _policies(txn: GcTransaction, policy: Policy | None, run: str | None) -> dict[str, tuple[Policy | None, str]]:
     out: dict[str, tuple[Policy | None, str]] = {}
-    for name, stored in conn.execute(q):
+    for name, text in txn.stored_policies(run):
         if policy is not None:
             out[name] = (policy, "given")
-        elif stored:
-            try:
-                out[name] = (policy_from_json(stored), "stored")
-            except PolicyError as e:
-                raise PolicyError(
-                    f"run {name!r} has a malformed stored policy ({e}); replace it with "
-                    f"`ckstore policy set {name} --keep-last N ...` or clear it with `ckstore policy clear {name}`"
-                ) from e
         else:
-            out[name] = (None, "none")
+            stored = stored_policy(name, text)
+            out[name] = (stored, "none") if stored is None else (stored, "stored")
     return out
 
 
-def apply_policies(
-    conn: Connection, policy: Policy | None, run: str | None, now: datetime
-) -> list[RunRetention]:
+def apply_policies(txn: GcTransaction, policy: Policy | None, run: str | None, now: datetime) -> list[RunRetention]:
     """Drop the checkpoints each run's policy releases (never a run's latest); returns decisions."""
-    if (
-        run is not None
-        and conn.execute(select(RUNS.c.id).where(RUNS.c.name == run)).first() is None
-    ):
-        raise NotFoundError(f"no run named {run!r} in this store (see `ckstore runs`)")
-    policies = _policies(conn, policy, run)
-    candidates = load_candidates(conn, run)
+    if run is not None:
+        txn.require_run(run)
+    policies = _policies(txn, policy, run)
+    candidates = txn.candidates(run)
     out: list[RunRetention] = []
     drop_ids: list[int] = []
     for name, (pol, source) in policies.items():
@@ -243,10 +165,8 @@ def apply_policies(
             continue
         sel = (pol or KeepAll()).select(ckpts, now=now)
         latest = max(ckpts, key=lambda c: (c.step, c.id))
-        reasons = {k: v for k, v in sel.reasons.items()}
-        reasons[latest.id] = ("latest",) + tuple(
-            r for r in reasons.get(latest.id, ()) if r != "latest"
-        )
+        reasons = dict(sel.reasons)
+        reasons[latest.id] = ("latest",) + tuple(r for r in reasons.get(latest.id, ()) if r != "latest")
         kept = tuple(Decision(c.step, c.kind, reasons[c.id]) for c in ckpts if c.id in reasons)
         dropped = [c for c in ckpts if c.id not in reasons]
         drop_ids += [c.id for c in dropped]
@@ -257,15 +177,12 @@ def apply_policies(
                 tuple(Decision(c.step, c.kind, ()) for c in dropped), unranked,
             )
         )  # fmt: skip
-    for i in range(0, len(drop_ids), _BATCH):
-        conn.execute(delete(C).where(C.c.id.in_(drop_ids[i : i + _BATCH]), C.c.status == COMMITTED))
+    txn.drop_checkpoints(drop_ids)
     return out
 
 
 # -- abandoned commits ---------------------------------------------------------------------------
-def judge_pending(
-    owner: str, heartbeat_at: datetime, grace: float, now: datetime
-) -> tuple[str, bool] | None:
+def judge_pending(pending: Pending, grace: float, now: datetime) -> tuple[str, bool] | None:
     """Why a pending checkpoint counts as abandoned, and whether only its silent heartbeat says so
     (its owner ran elsewhere); None while it may be live.
 
@@ -273,93 +190,40 @@ def judge_pending(
     heartbeat older than ``grace`` makes it abandoned.
     """
     try:
-        o = Owner.parse(owner)
+        o = Owner.parse(pending.owner)
         here = o.alive_here()
         who = o.describe()
     except (ValueError, TypeError):
-        here, who = None, f"owner {owner!r}"
+        here, who = None, f"owner {pending.owner!r}"
     if here:
         return None
     if here is False:
         return f"{who} is gone", False
-    hb = heartbeat_at if heartbeat_at.tzinfo else heartbeat_at.replace(tzinfo=now.tzinfo)
-    age = (now - hb).total_seconds()
+    age = (now - pending.heartbeat_at).total_seconds()
     if age > grace:
         return f"no heartbeat from {who} for {age:.0f}s (grace {grace:g}s)", True
     return None
 
 
-def pending_rows(conn: Connection) -> list[Any]:
-    return list(
-        conn.execute(
-            select(C.c.id, RUNS.c.name, C.c.step, C.c.owner, C.c.heartbeat_at)
-            .select_from(C.join(RUNS, RUNS.c.id == C.c.run_id))
-            .where(C.c.status == PENDING)
-            .order_by(C.c.id)
-        )
-    )
-
-
-def reap_abandoned(conn: Connection, grace: float, now: datetime) -> list[Reaped]:
+def reap_abandoned(txn: GcTransaction, grace: float, now: datetime) -> list[Reaped]:
     """Delete abandoned pending checkpoints; their references and pack ownership go with them.
 
     Each delete re-checks the row (same owner; for a remote owner, a heartbeat still older than
     the grace), so a commit that heartbeats meanwhile is left alone.
     """
     out = []
-    for r in pending_rows(conn):
-        verdict = judge_pending(r.owner, r.heartbeat_at, grace, now)
+    for p in txn.pending():
+        verdict = judge_pending(p, grace, now)
         if verdict is None:
             continue
         why, by_heartbeat = verdict
-        cond = [C.c.id == r.id, C.c.status == PENDING, C.c.owner == r.owner]
-        if by_heartbeat:
-            cond.append(C.c.heartbeat_at < now - timedelta(seconds=grace))
-        if conn.execute(delete(C).where(*cond)).rowcount:
-            out.append(Reaped(r.name, int(r.step), r.owner, why))
+        if txn.reap(p, silent_before=now - timedelta(seconds=grace) if by_heartbeat else None):
+            out.append(Reaped(p.run, p.step, p.owner, why))
     return out
 
 
-# -- the sweep ----------------------------------------------------------------------------------
-def _unreferenced() -> Any:
-    return ~exists().where(R.c.chunk_id == K.c.id)
-
-
-def _dead_packs() -> Any:
-    live_owner = P.c.owner_checkpoint_id.in_(select(C.c.id).where(C.c.status == PENDING))
-    return and_(
-        ~exists().where(K.c.pack_id == P.c.id), or_(P.c.owner_checkpoint_id.is_(None), ~live_owner)
-    )
-
-
-def sweep(conn: Connection, now: datetime) -> tuple[int, int, dict[str, int]]:
-    """Delete unreferenced chunk rows, then move dead pack rows to the trash.
-
-    Must run under the exclusive gc lock: commits reference existing chunks, and insert chunk
-    rows, only under the shared lock. Returns ``(chunks, chunk bytes, {trashed key: size})``.
-    """
-    n, nbytes = conn.execute(
-        select(func.count(), func.coalesce(func.sum(K.c.length), 0)).where(_unreferenced())
-    ).one()
-    if n:
-        conn.execute(delete(K).where(_unreferenced()))
-    trashed = {k: int(s) for k, s in conn.execute(select(P.c.key, P.c.size).where(_dead_packs()))}
-    if not trashed:
-        return int(n), int(nbytes), trashed
-    conn.execute(
-        TRASH.insert().from_select(
-            ["key", "created_at"],
-            select(P.c.key, literal(now, DateTime(timezone=True))).where(_dead_packs()),
-        )
-    )
-    conn.execute(delete(P).where(_dead_packs()))
-    return int(n), int(nbytes), trashed
-
-
 # -- objects ------------------------------------------------------------------------------------
-def list_packs(
-    blobs: BlobStore, progress: Progress | None = None
-) -> dict[str, tuple[int, float | None]]:
+def list_packs(blobs: BlobStore, progress: Progress | None = None) -> dict[str, tuple[int, float | None]]:
     """``{key: (size, mtime)}`` of every pack object."""
     out: dict[str, tuple[int, float | None]] = {}
     for info in blobs.list(PACK_PREFIX):
@@ -369,30 +233,12 @@ def list_packs(
     return out
 
 
-def unknown_keys(conn: Connection, keys: Sequence[str]) -> set[str]:
-    """The keys in ``keys`` that neither a pack row nor a trash row knows."""
-    unknown = set(keys)
-    for i in range(0, len(keys), _BATCH):
-        batch = list(keys[i : i + _BATCH])
-        unknown -= {k for (k,) in conn.execute(select(P.c.key).where(P.c.key.in_(batch)))}
-        unknown -= {k for (k,) in conn.execute(select(TRASH.c.key).where(TRASH.c.key.in_(batch)))}
-    return unknown
-
-
-def find_orphans(
-    catalog: Catalog, listing: Mapping[str, tuple[int, float | None]], cutoff: float | None
-) -> list[str]:
-    """Listed objects the catalog does not know (read after the listing), older than ``cutoff``
-    (seconds since the epoch; None: any age). An object whose backend reports no time is kept."""
-    cands = sorted(
-        k
-        for k, (_, mtime) in listing.items()
-        if cutoff is None or (mtime is not None and mtime < cutoff)
-    )
-    if not cands:
-        return []
-    with catalog_read(catalog) as conn:
-        return sorted(unknown_keys(conn, cands))
+def find_orphans(survey: Survey, listing: Mapping[str, tuple[int, float | None]], cutoff: float | None) -> list[str]:
+    """Listed objects the catalog does not know, older than ``cutoff`` (seconds since the epoch;
+    None: any age). The listing must be older than the survey's snapshot (a commit records a
+    pack before writing it). An object whose backend reports no time is kept."""
+    cands = sorted(k for k, (_, mtime) in listing.items() if cutoff is None or (mtime is not None and mtime < cutoff))
+    return sorted(survey.unknown_keys(cands)) if cands else []
 
 
 def stale_temp_files(blobs: BlobStore, cutoff: float, catalog: Catalog) -> list[str]:
@@ -404,9 +250,8 @@ def stale_temp_files(blobs: BlobStore, cutoff: float, catalog: Catalog) -> list[
     named = sorted({k for k in keys.values() if k})
     if not named:
         return handles
-    live_owner = P.c.owner_checkpoint_id.in_(select(C.c.id).where(C.c.status == PENDING))
-    with catalog_read(catalog) as conn:
-        live = {k for (k,) in conn.execute(select(P.c.key).where(P.c.key.in_(named), live_owner))}
+    with catalog.snapshot() as survey:
+        live = survey.live_pack_keys(named)
     return [h for h in handles if keys[h] not in live]
 
 
@@ -426,6 +271,26 @@ def remove_temp_files(blobs: BlobStore, handles: Sequence[str]) -> int:
 
 
 # -- gc -----------------------------------------------------------------------------------------
+def check_grace(grace: float | None) -> float:
+    """``grace`` as seconds (None: :data:`DEFAULT_GRACE`), or a :class:`PolicyError`."""
+    if grace is None:
+        return DEFAULT_GRACE
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise PolicyError(f"grace must be a number of seconds >= 0, got {grace!r}")
+    return float(grace)
+
+
+def delete(catalog: Catalog, ckpt: Checkpoint, *, force: bool = False) -> Checkpoint:
+    """Remove one checkpoint's rows (a tagged one only with ``force``); the next gc frees its
+    bytes (chunks other checkpoints share stay)."""
+    if ckpt.tags and not force:
+        raise ProtectedCheckpointError(
+            f"{ckpt.ref} is tagged {', '.join(ckpt.tags)}; untag it first or pass force=True (--force)"
+        )
+    catalog.delete_checkpoint(ckpt.id)
+    return ckpt
+
+
 def collect(
     catalog: Catalog,
     blobs: BlobStore,
@@ -433,7 +298,7 @@ def collect(
     policy: Policy | None = None,
     run: str | None = None,
     dry_run: bool = False,
-    grace: float = DEFAULT_GRACE,
+    grace: float | None = None,
     progress: Progress | None = None,
 ) -> GcReport:
     """Apply retention policies and sweep; see the module docstring for the order.
@@ -441,38 +306,27 @@ def collect(
     ``policy`` replaces the stored policy of ``run`` (or of every run, when ``run`` is None) for
     this call; without it each run's stored policy applies, and a run with none keeps everything.
     """
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
-        raise PolicyError(f"grace must be a number of seconds >= 0, got {grace!r}")
-    if policy is not None and not isinstance(policy, Policy):
-        raise PolicyError(f"policy must be a ckstore.maintenance.retention.Policy, got {type(policy).__name__}")
+    grace = check_grace(grace)
+    _check_policy(policy)
     t0 = time.perf_counter()
     now = utcnow()
     cutoff = time.time() - grace
     listing = list_packs(blobs, progress)  # before any catalog read: see find_orphans
 
-    try:
-        with catalog_write(catalog, lock="exclusive") as conn:
-            runs = apply_policies(conn, policy, run, now)
-            reaped = reap_abandoned(conn, grace, now)
-            chunks, chunk_bytes, trashed = sweep(conn, now)
-            trash_keys = sorted(k for (k,) in conn.execute(select(TRASH.c.key)))
-            if dry_run:
-                raise _Rollback
-    except _Rollback:
-        pass
-    trash_bytes = sum(listing[k][0] if k in listing else trashed.get(k, 0) for k in trash_keys)
+    with catalog.gc_transaction(dry_run=dry_run) as txn:
+        runs = apply_policies(txn, policy, run, now)
+        reaped = reap_abandoned(txn, grace, now)
+        swept = txn.sweep(now)
+        trash_keys = txn.trash_keys()
+    trash_bytes = sum(listing[k][0] if k in listing else swept.trashed.get(k, 0) for k in trash_keys)
     in_trash = set(trash_keys)
-    orphans = [k for k in find_orphans(catalog, listing, cutoff) if k not in in_trash]
+    with catalog.snapshot() as survey:  # read after the listing: see find_orphans
+        orphans = [k for k in find_orphans(survey, listing, cutoff) if k not in in_trash]
     orphan_bytes = sum(listing[k][0] for k in orphans)
     temps = stale_temp_files(blobs, cutoff, catalog)
 
     if not dry_run:
-
-        def forget(batch: list[str]) -> None:
-            with catalog_write(catalog) as conn:
-                conn.execute(delete(TRASH).where(TRASH.c.key.in_(batch)))
-
-        _delete_objects(blobs, trash_keys, "delete", progress, forget)
+        _delete_objects(blobs, trash_keys, "delete", progress, catalog.forget_trash)
         _delete_objects(blobs, orphans, "orphans", progress)
         remove_temp_files(blobs, temps)
 
@@ -480,13 +334,13 @@ def collect(
         dry_run=dry_run,
         runs=tuple(runs),
         reaped=tuple(reaped),
-        chunks_freed=chunks,
-        chunk_bytes_freed=chunk_bytes,
+        chunks_freed=swept.chunks,
+        chunk_bytes_freed=swept.chunk_bytes,
         packs_deleted=len(trash_keys),
         pack_bytes_freed=trash_bytes,
         orphans_deleted=tuple(orphans),
         orphan_bytes_freed=orphan_bytes,
         temp_files_deleted=len(temps),
-        grace=float(grace),
+        grace=grace,
         seconds=time.perf_counter() - t0,
     )

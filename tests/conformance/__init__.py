@@ -2,7 +2,7 @@
 
 * :class:`conformance.blobstore.BlobStoreConformance` — a blob store; a backend's class provides
   the ``blobs`` fixture (tests/test_blobstore_backends.py: local, memory, S3).
-* :class:`conformance.catalog.StoreConformance` — the whole store API on one catalog and blob
+* :class:`conformance.store.StoreConformance` — the whole store API on one catalog and blob
   store pair; a backend's class provides the ``spec`` fixture, a :class:`StoreSpec`
   (tests/test_store_backends.py: SQLite, PostgreSQL, S3 + PostgreSQL).
 
@@ -13,9 +13,9 @@ class runs every suite listed.
 
 from __future__ import annotations
 
-from .catalog import StoreConformance, StoreSpec, assert_consistent, sample_states
 from .diff import DiffConformance
 from .gc import GcConformance
+from .store import StoreConformance, StoreSpec, assert_consistent, sample_states
 
 __all__ = [
     "STORE_SUITES",

@@ -16,8 +16,8 @@ from helpers import assert_same
 
 import ckstore
 
-from .catalog import StoreSpec
 from .gc import SMALL, open_small
+from .store import StoreSpec
 
 __all__ = ["DiffConformance"]
 

@@ -14,23 +14,20 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
+import catalog_tools
 import pytest
 import torch
 from helpers import assert_same, random_tensor
-from sqlalchemy import and_, exists, func, select, update
 
 import ckstore
 from ckstore.catalog import Owner, utcnow
-from ckstore.catalog._schema import PENDING
 from ckstore.format.pack import PACK_HEADER, new_pack_key
 from ckstore.layout import WorldLayout
-from ckstore.maintenance.gc import TRASH, C, K, P, R, catalog_read, catalog_write, sweep
 from ckstore.retention import BestN, ByKind, EveryNSteps, KeepAll, LatestN, Tagged, Within
 
-from .catalog import StoreSpec, assert_consistent
+from .store import StoreSpec, assert_consistent
 
 __all__ = ["SMALL", "GcConformance", "chunk_uses", "objects", "open_small", "pack_users", "state"]
 
@@ -102,12 +99,10 @@ def steps(store: ckstore.Store, run: str = "exp") -> list[int]:
 def assert_tidy(store: ckstore.Store) -> None:
     """After a full gc: pack objects and pack rows name the same keys, the trash is empty, every
     chunk row is referenced, and every committed checkpoint's chunks are there."""
-    with catalog_read(store.catalog) as conn:
-        rows = {k for (k,) in conn.execute(select(P.c.key))}
-        trash = conn.execute(select(func.count()).select_from(TRASH)).scalar_one()
-        unreferenced = conn.execute(
-            select(func.count()).select_from(K).where(~exists().where(R.c.chunk_id == K.c.id))
-        ).scalar_one()
+    rows = set(catalog_tools.column(store.catalog, "packs", "key"))
+    trash = len(store.catalog.trash())
+    with store.catalog.snapshot() as survey:
+        unreferenced, _ = survey.unreferenced_chunks()
     listed = set(objects(store))
     assert listed == rows, (
         f"objects with no row: {listed - rows}; rows with no object: {rows - listed}"
@@ -132,9 +127,7 @@ def pending_commit(store: ckstore.Store, step: int, owner: Owner, heartbeat_age:
     store.catalog.register_pack(ckpt, owner, key)
     store.blobs.put(key, PACK_HEADER + b"half a pack")
     if heartbeat_age:
-        with catalog_write(store.catalog) as conn:
-            old = utcnow() - timedelta(seconds=heartbeat_age)
-            conn.execute(update(C).where(C.c.id == ckpt).values(heartbeat_at=old))
+        catalog_tools.age_heartbeat(store.catalog, ckpt, heartbeat_age)
     return key
 
 
@@ -152,15 +145,11 @@ def killed_commit(store: ckstore.Store, step: int, states: dict[int, dict[str, A
     dead = _dead_owner()
 
     def recorded() -> bool:  # a pack's chunks are recorded once its upload ends, maybe in the background
-        with catalog_read(store.catalog) as conn:
-            q = select(func.count()).select_from(K.join(P, P.c.id == K.c.pack_id).join(C, C.c.id == P.c.owner_checkpoint_id))
-            return bool(conn.execute(q.where(C.c.step == step, C.c.status == PENDING)).scalar())
+        return catalog_tools.pending_pack_chunks(store.catalog, step) > 0
 
     def die(done: int, total: int) -> None:
         if done > total // 2 and (done >= total or recorded()):
-            with catalog_write(store.catalog) as conn:  # from now on the row is the dead process's
-                mine = and_(C.c.step == step, C.c.status == PENDING)
-                conn.execute(update(C).where(mine).values(owner=str(dead)))
+            catalog_tools.hand_over_pending(store.catalog, step, dead)  # from now on the row is the dead process's
             raise _Died(f"process {dead.pid}")
 
     with pytest.raises(_Died):
@@ -372,9 +361,9 @@ class GcConformance:
         frees = only_used_by(store, {"exp@2"})
         sizes = objects(store)
         store.delete(2)
-        with catalog_write(store.catalog, lock="exclusive") as conn:  # killed after its sweep
-            chunks, _, trashed = sweep(conn, utcnow())
-        assert chunks == 1 and set(trashed) == frees and set(objects(store)) == set(sizes)
+        with store.catalog.gc_transaction() as txn:  # killed after its sweep
+            swept = txn.sweep(utcnow())
+        assert swept.chunks == 1 and set(swept.trashed) == frees and set(objects(store)) == set(sizes)
         rep = store.fsck()
         assert rep.ok and rep.trash == len(frees) and rep.unreferenced_chunks == 0
         assert rep.orphans == ()
@@ -401,12 +390,12 @@ class GcConformance:
         store.commit(2, state(3, ranks=2), run="b")
         rep = store.du()
 
-        with catalog_read(store.catalog) as conn:
-            length = {i: int(n) for i, n in conn.execute(select(K.c.id, K.c.length))}
-            raw = {i: int(n) for i, n in conn.execute(select(K.c.id, K.c.raw_size))}
-            refs = [
-                (int(c), int(k)) for c, k in conn.execute(select(R.c.checkpoint_id, R.c.chunk_id))
-            ]
+        length = {i: int(n) for i, n in catalog_tools.rows(store.catalog, "SELECT id, length FROM chunks")}
+        raw = {i: int(n) for i, n in catalog_tools.rows(store.catalog, "SELECT id, raw_size FROM chunks")}
+        refs = [
+            (int(c), int(k))
+            for c, k in catalog_tools.rows(store.catalog, "SELECT checkpoint_id, chunk_id FROM chunk_refs")
+        ]
         ids = {ck.ref: ck.id for ck in store.checkpoints()}
         users: dict[int, set[int]] = {}
         for ck, ch in refs:
@@ -482,9 +471,8 @@ class GcConformance:
         live = Owner.me()
         live_key = pending_commit(store, 4, live)
         before = objects(store)
-        with catalog_read(store.catalog) as conn:
-            rows = conn.execute(select(func.count()).select_from(K)).scalar_one()
-            packs = {k for (k,) in conn.execute(select(P.c.key))}
+        rows = catalog_tools.count(store.catalog, "chunks")
+        packs = set(catalog_tools.column(store.catalog, "packs", "key"))
         rep = store.fsck()
         assert rep.orphans == ((orphan, 10),)
         assert [(p.step, p.abandoned is not None) for p in rep.pending] == [(3, True), (4, False)]
@@ -492,9 +480,9 @@ class GcConformance:
         assert rep.repaired_orphans == (orphan,) and [r.step for r in rep.repaired_pending] == [3]
         assert damaged(rep) == broken  # not repaired
         assert set(objects(store)) == set(before) - {orphan} and {dead_key, live_key} < set(before)
-        with catalog_read(store.catalog) as conn:  # not a chunk or pack row touched: gc frees them
-            assert conn.execute(select(func.count()).select_from(K)).scalar_one() == rows
-            assert {k for (k,) in conn.execute(select(P.c.key))} == packs and victim in packs
+        # not a chunk or pack row touched: gc frees them
+        assert catalog_tools.count(store.catalog, "chunks") == rows
+        assert set(catalog_tools.column(store.catalog, "packs", "key")) == packs and victim in packs
         assert [p[2] for p in store.catalog.pending()] == [4]
         store.catalog.abort_checkpoint(store.catalog.pending()[0][0], live)
         assert_same(store.checkout(1), state(1, ranks=2))

@@ -16,13 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import catalog_tools
 import pytest
 import torch
 from helpers import ALL_DTYPES, assert_same, random_tensor
-from sqlalchemy import select, text
 
 import ckstore
-from ckstore.catalog import TABLES
 from ckstore.format.manifest import Manifest
 
 CHUNK = 16 * 1024
@@ -97,10 +96,8 @@ def assert_consistent(store: ckstore.Store) -> None:
     for d, loc in locs.items():
         assert loc.pack_key in sizes, f"pack {loc.pack_key} of chunk {d.hex()} is missing"
         assert loc.offset + loc.length <= sizes[loc.pack_key]
-    with cat.engine.connect() as conn:
-        k = TABLES["chunks"]
-        rows = conn.execute(select(k.c.digest)).all()
-    assert len(rows) == len({bytes(r.digest) for r in rows})
+    digests_recorded = catalog_tools.column(cat, "chunks", "digest")
+    assert len(digests_recorded) == len({bytes(d) for d in digests_recorded})
 
 
 # -- child processes ----------------------------------------------------------------------------
@@ -316,11 +313,9 @@ class StoreConformance:
         store.commit(1, sample_states(1, ranks=1))
         before, after = store.catalog.upgrade()
         assert before == after
-        with store.catalog.engine.begin() as conn:
-            conn.execute(text("UPDATE alembic_version SET version_num = 'ffffffff'"))
+        catalog_tools.set_schema_revision(store.catalog, "ffffffff")
         with pytest.raises(ckstore.SchemaVersionError, match="newer"):
             spec.open()
-        with store.catalog.engine.begin() as conn:
-            conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": after})
+        catalog_tools.set_schema_revision(store.catalog, after)
         with spec.open() as again:
             assert_same(again.checkout(1), sample_states(1, ranks=1))

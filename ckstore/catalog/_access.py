@@ -1,0 +1,92 @@
+"""The catalog's connection handling, shared by every part of :class:`~ckstore.catalog.Catalog`:
+read snapshots, write transactions, dialect-specific inserts, database errors translated to
+:class:`CatalogError`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Table, text
+from sqlalchemy import exc as sa_exc
+
+from ..errors import CatalogError
+from ._engine import check_schema, head_revision, make_engine, redact, upgrade_schema, write_txn
+
+__all__ = ["CatalogBase"]
+
+
+class CatalogBase:
+    """Engine, transactions and schema of one catalog (SQLite or PostgreSQL)."""
+
+    def __init__(self, url: str, *, upgrade_hint: str = "ckstore db upgrade", check: bool = True) -> None:
+        self.url = url
+        self.engine: Engine = make_engine(url)
+        self.dialect = self.engine.dialect.name
+        if check:
+            check_schema(self.engine, upgrade_hint)
+
+    def __repr__(self) -> str:
+        return f"Catalog({redact(self.url)!r})"
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- schema ---------------------------------------------------------------------------------
+    def upgrade(self) -> tuple[str | None, str]:
+        """Upgrade the schema to this ckstore's; returns ``(from_revision, to_revision)``."""
+        return upgrade_schema(self.engine)
+
+    def revisions(self) -> tuple[str | None, str]:
+        """``(the catalog's schema revision or None, the revision this ckstore needs)``."""
+        try:
+            with self._read() as conn:
+                rev = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except (CatalogError, sa_exc.ProgrammingError, sa_exc.OperationalError):
+            rev = None  # no version table yet
+        return rev, head_revision(self.engine)
+
+    # -- transactions -----------------------------------------------------------------------------
+    @contextmanager
+    def _write(self, lock: str | None = None) -> Iterator[Connection]:
+        """A write transaction; ``lock="shared"`` for commits, ``"exclusive"`` for gc sweeps."""
+        try:
+            with write_txn(self.engine, lock) as conn:
+                yield conn
+        except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
+            raise CatalogError(
+                f"catalog {redact(self.url)} failed during a write ({_reason(e)}); the transaction "
+                "was rolled back, unless the connection dropped while it was committing. Retry once "
+                "the catalog is reachable (a commit that did get through reports its step as taken)"
+            ) from e
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        """A read transaction that sees one snapshot of the catalog."""
+        try:
+            with self.engine.connect() as conn:
+                if self.dialect == "postgresql":  # one snapshot for every statement, as SQLite gives
+                    conn = conn.execution_options(isolation_level="REPEATABLE READ")
+                with conn.begin():
+                    yield conn
+        except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
+            raise CatalogError(
+                f"reading catalog {redact(self.url)} failed ({_reason(e)}); retry once it is reachable"
+            ) from e
+
+    def _insert(self, table: Table) -> Any:
+        """An INSERT with this dialect's ``on_conflict_do_*``."""
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects import postgresql
+
+            return postgresql.insert(table)
+        if self.dialect == "sqlite":
+            from sqlalchemy.dialects import sqlite
+
+            return sqlite.insert(table)
+        raise CatalogError(f"catalog dialect {self.dialect} is not supported; use SQLite or PostgreSQL")
+
+
+def _reason(e: sa_exc.DBAPIError) -> str:
+    return " ".join(str(e.orig if e.orig is not None else e).split())

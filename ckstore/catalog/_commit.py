@@ -1,0 +1,288 @@
+"""The catalog's side of the commit protocol (call order in :mod:`ckstore.catalog`): a pending
+checkpoint row claimed by its committer, its packs and chunks, and the one transaction that
+makes it visible."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import exc as sa_exc
+
+from ..errors import AlreadyExistsError, CommitAbandonedError, CommitInProgressError
+from ..layout import WorldLayout
+from ..records import Checkpoint
+from ._owner import Owner, mark_live
+from ._queries import load_records
+from ._rows import (
+    CHECKPOINTS,
+    CHUNK_REFS,
+    CHUNKS,
+    ENTRIES,
+    METRICS,
+    PACKS,
+    NewChunk,
+    aware,
+    batches,
+    utcnow,
+)
+from ._runs import RunsMixin
+from ._schema import COMMITTED, PENDING
+
+__all__ = ["CommitMixin"]
+
+
+class CommitMixin(RunsMixin):
+    def begin_checkpoint(
+        self,
+        run: str,
+        step: int,
+        *,
+        kind: str,
+        replace: bool,
+        owner: Owner,
+        world_layout: WorldLayout,
+        lease_seconds: float,
+        parent_checkpoint_id: int | None = None,
+    ) -> int:
+        """Insert a pending checkpoint row for ``(run, step)`` and return its id.
+
+        A pending row whose owner is gone (a dead process on this host, a commit of this process
+        that failed without cleaning up, or a lease not renewed in time) is taken over; a live
+        one raises :class:`CommitInProgressError`.
+        """
+        mark_live(owner.nonce, True)  # until finish_checkpoint or abort_checkpoint
+        for attempt in range(3):
+            try:
+                with self._write() as conn:
+                    rid = self._run_id(conn, run, create=True)
+                    rows = conn.execute(
+                        select(
+                            CHECKPOINTS.c.id, CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.heartbeat_at
+                        ).where(CHECKPOINTS.c.run_id == rid, CHECKPOINTS.c.step == step)
+                    ).all()
+                    now = utcnow()
+                    for r in rows:
+                        if r.status == COMMITTED and not replace:
+                            raise AlreadyExistsError(
+                                f"run {run!r} already has a checkpoint at step {step}; pass replace=True "
+                                "to overwrite it, or commit another step"
+                            )
+                        if r.status == PENDING:
+                            prev = Owner.parse(r.owner)
+                            age = (now - aware(r.heartbeat_at)).total_seconds()
+                            # a dead process, or a lease not renewed in time, gives the step up
+                            if prev.alive_here() is not False and age < lease_seconds:
+                                raise CommitInProgressError(
+                                    f"step {step} of run {run!r} is being committed right now by "
+                                    f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
+                                    "finish or commit another step"
+                                )
+                            conn.execute(delete(CHECKPOINTS).where(CHECKPOINTS.c.id == r.id))
+                    res = conn.execute(
+                        CHECKPOINTS.insert().values(
+                            run_id=rid,
+                            step=step,
+                            status=PENDING,
+                            kind=kind,
+                            created_at=now,
+                            heartbeat_at=now,
+                            owner=str(owner),
+                            world_layout=json.dumps(world_layout.to_json()),
+                            logical_bytes=0,
+                            stored_bytes_added=0,
+                            parent_checkpoint_id=parent_checkpoint_id,
+                        )
+                    )
+                    return int(res.inserted_primary_key[0])  # type: ignore[index]
+            except sa_exc.IntegrityError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
+        row = conn.execute(
+            select(CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step).where(
+                CHECKPOINTS.c.id == ckpt_id
+            )
+        ).first()
+        if row is None or row.status != PENDING or row.owner != str(owner):
+            raise CommitAbandonedError(
+                "this commit's claim was taken over while it was in flight (garbage collection or "
+                "another commit judged it abandoned); nothing of it became visible. Commit again; "
+                "if it happens again, raise gc's --grace or the store's lease"
+            )
+        return row
+
+    def heartbeat(self, ckpt_id: int, owner: Owner) -> bool:
+        """Refresh a pending checkpoint's lease; False when the claim was lost."""
+        with self._write() as conn:
+            res = conn.execute(
+                update(CHECKPOINTS)
+                .where(CHECKPOINTS.c.id == ckpt_id, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == str(owner))
+                .values(heartbeat_at=utcnow())
+            )
+            return bool(res.rowcount)
+
+    def claim_chunks(self, ckpt_id: int, owner: Owner, digests: Iterable[bytes]) -> set[bytes]:
+        """Reference every chunk the catalog already has; return the digests it does not."""
+        wanted = list(dict.fromkeys(digests))
+        found: set[bytes] = set()
+        with self._write(lock="shared") as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            for batch in batches(wanted):
+                rows = conn.execute(select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(batch))).all()
+                if rows:
+                    conn.execute(
+                        self._insert(CHUNK_REFS)
+                        .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
+                        .on_conflict_do_nothing()
+                    )
+                    found.update(bytes(r.digest) for r in rows)
+        return set(wanted) - found
+
+    def register_pack(self, ckpt_id: int, owner: Owner, key: str) -> int:
+        """Record a pack before its object is written, owned by the pending checkpoint."""
+        return self.register_packs(ckpt_id, owner, [key])[0]
+
+    def register_packs(self, ckpt_id: int, owner: Owner, keys: Sequence[str]) -> list[int]:
+        """:meth:`register_pack` for many keys in one transaction (a collective commit records
+        every rank's packs up front); returns their ids in order."""
+        ids = []
+        with self._write(lock="shared") as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            now = utcnow()
+            for key in keys:
+                res = conn.execute(
+                    PACKS.insert().values(key=key, size=0, created_at=now, owner_checkpoint_id=ckpt_id)
+                )
+                ids.append(int(res.inserted_primary_key[0]))  # type: ignore[index]
+        return ids
+
+    def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
+        """Record a written pack's chunks and reference them; returns the stored bytes they added
+        (a chunk another commit recorded first is referenced there instead)."""
+        return self.add_packs(ckpt_id, owner, [(pack_id, pack_size, chunks)])
+
+    def add_packs(
+        self, ckpt_id: int, owner: Owner, packs: Sequence[tuple[int, int, Sequence[NewChunk]]]
+    ) -> int:
+        """:meth:`add_chunks` for many written packs ``(pack_id, pack_size, chunks)`` in one
+        transaction (a collective commit records every rank's packs at once)."""
+        added = 0
+        # digest order across every pack: two commits inserting overlapping chunks lock them in
+        # the same order, so on PostgreSQL one waits for the other instead of deadlocking
+        ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
+        ours = {pack_id for pack_id, _, _ in packs}
+        with self._write(lock="shared") as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            for pack_id, pack_size, _ in packs:
+                conn.execute(update(PACKS).where(PACKS.c.id == pack_id).values(size=pack_size))
+            for batch in batches(ordered):
+                conn.execute(
+                    self._insert(CHUNKS)
+                    .values(
+                        [
+                            {
+                                "digest": c.digest,
+                                "pack_id": pack_id,
+                                "offset": c.offset,
+                                "length": c.length,
+                                "raw_size": c.raw_size,
+                                "codec": c.codec,
+                            }
+                            for pack_id, c in batch
+                        ]
+                    )
+                    .on_conflict_do_nothing(index_elements=["digest"])
+                )
+                rows = conn.execute(
+                    select(CHUNKS.c.id, CHUNKS.c.pack_id, CHUNKS.c.length).where(
+                        CHUNKS.c.digest.in_([c.digest for _, c in batch])
+                    )
+                ).all()
+                conn.execute(
+                    self._insert(CHUNK_REFS)
+                    .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
+                    .on_conflict_do_nothing()
+                )
+                added += sum(int(r.length) for r in rows if r.pack_id in ours)
+        return added
+
+    def finish_checkpoint(
+        self,
+        ckpt_id: int,
+        owner: Owner,
+        *,
+        entries: Sequence[tuple[int, str, bytes, int]],
+        metrics: dict[str, float],
+        tags: Sequence[str],
+        logical_bytes: int,
+        stored_bytes_added: int,
+        replace: bool,
+    ) -> Checkpoint:
+        """Make the pending checkpoint visible, in one transaction."""
+        try:
+            with self._write(lock="shared") as conn:
+                row = self._own_pending(conn, ckpt_id, owner)
+                old = conn.execute(
+                    select(CHECKPOINTS.c.id).where(
+                        CHECKPOINTS.c.run_id == row.run_id,
+                        CHECKPOINTS.c.step == row.step,
+                        CHECKPOINTS.c.status == COMMITTED,
+                    )
+                ).scalar()
+                if old is not None:
+                    if not replace:
+                        raise AlreadyExistsError(
+                            f"step {row.step} was committed by another process meanwhile; pass replace=True "
+                            "to overwrite it"
+                        )
+                    conn.execute(delete(CHECKPOINTS).where(CHECKPOINTS.c.id == old))
+                for batch in batches(list(entries), 100):
+                    conn.execute(
+                        ENTRIES.insert(),
+                        [
+                            {"checkpoint_id": ckpt_id, "rank": r, "sub_key": k, "manifest": m, "logical_bytes": n}
+                            for r, k, m, n in batch
+                        ],
+                    )
+                if metrics:
+                    conn.execute(
+                        METRICS.insert(),
+                        [
+                            {"checkpoint_id": ckpt_id, "name": k, "value": None if math.isnan(v) else v}
+                            for k, v in metrics.items()
+                        ],
+                    )
+                for name in dict.fromkeys(tags):
+                    self._set_tag(conn, row.run_id, name, ckpt_id)
+                conn.execute(
+                    update(CHECKPOINTS)
+                    .where(CHECKPOINTS.c.id == ckpt_id)
+                    .values(
+                        status=COMMITTED,
+                        committed_at=utcnow(),
+                        logical_bytes=logical_bytes,
+                        stored_bytes_added=stored_bytes_added,
+                    )
+                )
+                conn.execute(
+                    update(PACKS).where(PACKS.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None)
+                )
+                return load_records(conn, [ckpt_id]).one(ckpt_id)
+        finally:
+            mark_live(owner.nonce, False)
+
+    def abort_checkpoint(self, ckpt_id: int, owner: Owner) -> None:
+        """Drop a pending checkpoint of ours; what it wrote becomes garbage for gc."""
+        mark_live(owner.nonce, False)
+        with self._write() as conn:
+            conn.execute(
+                delete(CHECKPOINTS).where(
+                    CHECKPOINTS.c.id == ckpt_id, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == str(owner)
+                )
+            )
