@@ -234,12 +234,21 @@ def stock(store: ckstore.Store, rank: int, out: dict[str, Any], base: Path) -> N
 
 
 def scenario_stock_load(store: ckstore.Store, rank: int, world: int, out: dict[str, Any], arg: str) -> None:
-    """The stock engine loads an exported folder and takes the next step."""
+    """The stock engine loads an exported folder and takes the next step; DeepSpeed's
+    zero_to_fp32 consolidates it as it does the stock folder."""
+    exported, stock = arg.split(os.pathsep)
     engine = make_engine(*STOCK, seed=1)
-    path, client_state = engine.load_checkpoint(arg)
+    path, client_state = engine.load_checkpoint(exported)
     assert client_state["epoch"] == 7 and engine.global_steps == 2, (client_state, engine.global_steps)
     train_step(engine, 3, rank)
     out["stock_got"] = digest(engine)
+    if rank == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        got = get_fp32_state_dict_from_zero_checkpoint(exported)
+        want = get_fp32_state_dict_from_zero_checkpoint(stock)
+        out["fp32_tensors"] = len(want)
+        out["fp32_equal"] = list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     out["ok"] = True
 
 

@@ -8,10 +8,13 @@ dtypes. :func:`to_plain` replaces each known one by a small dict marked with :da
      "state": {"cur_scale": 1.0, "dynamic": False}}
     {"__ckstore_deepspeed__": "enum", "class": "deepspeed.….ZeroStageEnum", "value": 2}
     {"__ckstore_deepspeed__": "dtype", "name": "bfloat16"}
+    {"__ckstore_deepspeed__": "size", "dims": [24, 16]}
+
 
 and :func:`from_plain` rebuilds them. Known means: a class defined in a ``deepspeed.`` module
 that is an enum, a dataclass or a ``DeepSpeedConfigObject`` (plain records of attributes), plus
-torch dtypes and devices. Rebuilding imports nothing outside ``deepspeed.``, checks the class
+torch dtypes, devices and sizes (``torch.Size``: DeepSpeed's ``param_shapes`` and
+``frozen_param_shapes`` call ``numel()`` on them, which a plain tuple lacks). Rebuilding imports nothing outside ``deepspeed.``, checks the class
 against the same rule, and sets the recorded attributes on an instance made with ``__new__``
 (no constructor, no ``__setstate__``): stored data can name only such record classes and give
 them only plain values and tensors.
@@ -39,7 +42,7 @@ __all__ = ["MARK", "to_plain", "from_plain"]
 MARK = "__ckstore_deepspeed__"
 
 _PLAIN = (str, int, float, bool, bytes, type(None))
-_KINDS = ("object", "enum", "dtype", "device")
+_KINDS = ("object", "enum", "dtype", "device", "size")
 
 
 def _qualname(cls: type) -> str:
@@ -92,7 +95,9 @@ def to_plain(state: Any, *, allow_pickle: bool = False, where: str = "") -> Any:
                     "converts to plain values; rename that key"
                 )
             return {k: walk(v, (*keys, k)) for k, v in x.items()}
-        if isinstance(x, (list, tuple)) and (type(x) in (list, tuple) or isinstance(x, torch.Size)):
+        if isinstance(x, torch.Size):
+            return {MARK: "size", "dims": [int(d) for d in x]}
+        if type(x) in (list, tuple) or isinstance(x, tuple) and hasattr(x, "_fields"):  # named tuples: tuples
             items = [walk(v, (*keys, i)) for i, v in enumerate(x)]
             return items if isinstance(x, list) else tuple(items)
         if isinstance(x, torch.dtype):
@@ -167,6 +172,11 @@ def from_plain(state: Any, *, where: str = "") -> Any:
             if not isinstance(dt, torch.dtype):
                 raise IntegrityError(f"{at}: {name!r} is not a torch dtype")
             return dt
+        if kind == "size":
+            dims = node.get("dims")
+            if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+                raise IntegrityError(f"{at}: {dims!r} is not a list of tensor dims")
+            return torch.Size(dims)
         if kind == "device":
             try:
                 return torch.device(str(node.get("name")))
