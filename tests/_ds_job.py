@@ -79,7 +79,11 @@ def train_step(engine: Any, step: int, rank: int) -> float:
 def digest(engine: Any) -> str:
     """A digest of every tensor of this rank's full checkpoint state (weights, optimizer
     moments, fp32 masters, scheduler), in a fixed order."""
-    h = hashlib.sha256()
+    return tensor_digest(ckds.state_dicts(engine), str(engine.global_steps))
+
+
+def tensor_digest(states: Any, extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
 
     def walk(x: Any) -> None:
         if isinstance(x, torch.Tensor):
@@ -97,8 +101,7 @@ def digest(engine: Any) -> str:
         elif isinstance(x, (int, float, str, bool)) or x is None:
             h.update(repr(x).encode())
 
-    walk(ckds.state_dicts(engine))
-    h.update(str(engine.global_steps).encode())
+    walk(states)
     return h.hexdigest()
 
 
@@ -194,6 +197,17 @@ def attached(store: ckstore.Store, rank: int, world: int, out: dict[str, Any], b
     out["attach_failure"] = expect_failure(lambda: a.save_checkpoint(str(folder), "bad"))
     store.blobs.writer = real  # type: ignore[method-assign]
     torch.distributed.barrier()
+    # DeepSpeed 0.16's calls: create/commit get the tag string, and no save_dir
+    train_step(a, 5, rank)
+    ce, legacy = a.checkpoint_engine, folder / "legacy"
+    states = ckds.state_dicts(a)
+    want_legacy = tensor_digest(states)
+    ce.create("legacy")
+    ce.makedirs(str(legacy), exist_ok=True)
+    for stem, sd in states.items():
+        ce.save(sd, str(legacy / f"{stem}.pt"))
+    ce.commit("legacy")
+    out["legacy"] = {"step": ce.last.step, "same": tensor_digest({s: ce.load(str(legacy / f"{s}.pt")) for s in states}) == want_legacy}
 
     b = make_engine(1, True, seed=1)
     ckds.attach(b, store, run="attach")

@@ -28,8 +28,8 @@ from services import require_module
 
 import ckstore
 from ckstore.cli import main
-from ckstore.format.tensorio import flatten
 from ckstore.errors import IntegrityError, StoreConfigError, UnsupportedValueError
+from ckstore.format.tensorio import flatten
 from ckstore.integrations.deepspeed import META, export_folder, import_folder
 from ckstore.integrations.deepspeed._attach import read_stub
 from ckstore.integrations.deepspeed._folder import parse_file_name
@@ -163,6 +163,7 @@ def test_attach_keeps_the_stock_call_sites(jobs: Jobs) -> None:
         assert a["latest"] == "global_step3"  # written by the engine itself, after the commit
         assert "failed on rank 1: OSError: injected write failure on rank 1" in report["attach_failure"]
         assert a["bad_files"] == []  # the failed save left no stubs
+        assert report["legacy"] == {"step": 5, "same": True}  # DeepSpeed 0.16's string tags
     assert (folder / "latest").read_text() == "global_step3"
     stubs = {p.name: read_stub(str(p)) for p in (folder / "t2").glob("*.pt")}
     assert sorted(stubs) == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -171,7 +172,7 @@ def test_attach_keeps_the_stock_call_sites(jobs: Jobs) -> None:
     assert all(s is not None and s["run"] == "attach" and s["step"] == 2 for s in stubs.values())
     assert max(p.stat().st_size for p in (folder / "t2").iterdir()) < 1024  # stubs, not pickles
     with ckstore.open(jobs.stores[2]) as store:
-        assert [c.step for c in store.checkpoints("attach")] == [2, 3]  # the failed step 4 is not there
+        assert [c.step for c in store.checkpoints("attach")] == [2, 3, 5]  # the failed step 4 is not there
         assert store.catalog.pending() == []
 
 
@@ -224,8 +225,8 @@ def test_tags_refs_diff_log_and_gc(jobs: Jobs) -> None:
 
     with ckstore.open(loc) as store:
         report = store.gc(LatestN(1), run="attach", grace=0)
-        assert [c.step for c in store.checkpoints("attach")] == [3]
-        assert report.dropped == ["attach@2"]
+        assert [c.step for c in store.checkpoints("attach")] == [5]
+        assert report.dropped == ["attach@2", "attach@3"]
         with pytest.raises(ckstore.CheckpointNotFoundError):
             store.resolve("attach@2")
         assert store.fsck(deep=True).ok

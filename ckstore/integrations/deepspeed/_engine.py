@@ -50,7 +50,8 @@ def require_deepspeed() -> Any:
 def _base_class() -> type:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-    return CheckpointEngine
+    base: type = CheckpointEngine
+    return base
 
 
 def CheckpointEngineBase() -> type:  # noqa: N802 - a class factory, used as a base class
@@ -170,6 +171,12 @@ def serve(engine: Any, stems: Iterable[str], fetch: Callable[[str], Any], **load
     client state. ``stems`` are every sub-checkpoint the checkpoint has (the engine globs for
     them); ``fetch`` is called only for those this rank reads. Collective."""
     require_deepspeed()
+    if not load_kwargs.get("load_optimizer_states", True) and engine.zero_optimization_partition_weights():
+        raise CkstoreError(
+            "under ZeRO-3, DeepSpeed loads a checkpoint without its optimizer states by reading the "
+            "folder's files itself (zero_to_fp32); load with load_optimizer_states=True, or export "
+            "the checkpoint (ckstore export --format deepspeed) and load that folder"
+        )
     scratch = tempfile.mkdtemp(prefix="ckstore-ds-")
     try:
         folder = os.path.join(scratch, SCRATCH_TAG)

@@ -230,8 +230,13 @@ def export_folder(
         got = store.load(ckpt, sub_keys=[stem], allow_pickle=allow_pickle, progress=progress)
         src = min(got)
         state = from_plain(got[src][stem], where=f"{ckpt.ref}, rank {src}, {stem}, ")
-        _replace(folder, stem + _SUFFIX, lambda f, state=state: torch.save(state, f))
-    _replace(path, "latest", lambda f: f.write(tag.encode()))
+
+        def write(f: Any, state: Any = state) -> None:
+            torch.save(state, f)
+
+        _replace(folder, stem + _SUFFIX, write)
+    latest = tag.encode()
+    _replace(path, "latest", lambda f: f.write(latest))
     return ckpt
 
 
