@@ -1,7 +1,8 @@
 """Import checkpoints written by other tools, and export ckstore checkpoints to them.
 
 Formats: ``torch`` (a ``torch.save`` file), ``safetensors`` (a ``.safetensors`` file) and ``dcp``
-(a PyTorch Distributed Checkpoint folder). Imports commit into a store like any other
+(a PyTorch Distributed Checkpoint folder); ``deepspeed`` folders are handed to
+:mod:`ckstore.integrations.deepspeed`. Imports commit into a store like any other
 checkpoint, so re-importing the same weights stores nothing new; exports check out a checkpoint
 (consolidated to one rank when it was sharded) and write it in the chosen format.
 """
@@ -41,7 +42,10 @@ def detect_format(path: str) -> str:
 
         if is_deepspeed_folder(path):
             return "deepspeed"
-        raise StoreConfigError(f"{path} is a folder but not a Distributed Checkpoint (no .metadata file in it)")
+        raise StoreConfigError(
+            f"{path} is a folder but neither a Distributed Checkpoint (no .metadata file in it) nor a "
+            "DeepSpeed checkpoint (no *model_states.pt files, in it or in the tag folder its latest names)"
+        )
     if not os.path.isfile(path):
         raise StoreConfigError(f"no file or folder at {path}")
     if path.endswith(".safetensors"):
