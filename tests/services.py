@@ -49,6 +49,16 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def require_module(name: str, extra: str | None = None) -> Any:
+    """Import an optional dependency, or skip (fail under CKSTORE_REQUIRE_SERVICES=1) without it."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        unavailable(f"{name} is not installed ({e}); pip install 'ckstore[{extra or name}]'")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,9 +9,9 @@ from ._common import Ctx, byte_progress, console, esc, handle_errors, human_byte
 
 @click.command("import")
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--step", type=int, required=True, help="Step number to record it as.")
+@click.option("--step", type=int, help="Step number to record it as (a DeepSpeed folder: its global_steps).")
 @click.option("--run", "run_name", help="Run to commit into (default: the --run of the store).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "torch", "safetensors", "dcp"]), default="auto", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["auto", "torch", "safetensors", "dcp", "deepspeed"]), default="auto", show_default=True)
 @click.option("--sub-key", default="model_states", show_default=True, help="Sub-checkpoint name for the file's contents.")
 @click.option("--split", is_flag=True, help="Make the file's top-level keys the sub-checkpoints.")
 @click.option("--metric", "metrics", multiple=True, metavar="NAME=VALUE", help="A metric to record (repeatable).")
@@ -21,10 +21,10 @@ from ._common import Ctx, byte_progress, console, esc, handle_errors, human_byte
 @pass_ctx
 @handle_errors
 def import_(
-    obj: Ctx, path: str, step: int, run_name: str | None, fmt: str, sub_key: str, split: bool,
+    obj: Ctx, path: str, step: int | None, run_name: str | None, fmt: str, sub_key: str, split: bool,
     metrics: tuple[str, ...], tags: tuple[str, ...], allow_pickle: bool,
 ) -> None:  # fmt: skip
-    """Commit a torch.save file, a .safetensors file or a DCP folder as a checkpoint."""
+    """Commit a torch.save file, a .safetensors file, a DCP folder or a DeepSpeed folder as a checkpoint."""
     from ..integrations.files import import_checkpoint
 
     values = {}
@@ -51,14 +51,14 @@ def import_(
 @click.command()
 @click.argument("ref")
 @click.argument("path", type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp"]), default="torch", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", "dcp", "deepspeed"]), default="torch", show_default=True)
 @click.option("--rank", type=int, default=0, show_default=True, help="Rank to export (unsharded checkpoints).")
 @click.option("--sub-key", help="Export only this sub-checkpoint's state dict.")
 @click.option("--allow-pickle", is_flag=True, help="Unpickle Python objects stored with the checkpoint.")
 @pass_ctx
 @handle_errors
 def export(obj: Ctx, ref: str, path: str, fmt: str, rank: int, sub_key: str | None, allow_pickle: bool) -> None:
-    """Write checkpoint REF as a torch.save file, a .safetensors file or a DCP folder."""
+    """Write checkpoint REF as a torch.save file, a .safetensors file, a DCP folder or a DeepSpeed folder."""
     from ..integrations.files import export_checkpoint
 
     with byte_progress("checking out") as progress:

@@ -1,7 +1,8 @@
 """Import checkpoints written by other tools, and export ckstore checkpoints to them.
 
 Formats: ``torch`` (a ``torch.save`` file), ``safetensors`` (a ``.safetensors`` file) and ``dcp``
-(a PyTorch Distributed Checkpoint folder). Imports commit into a store like any other
+(a PyTorch Distributed Checkpoint folder); ``deepspeed`` folders are handed to
+:mod:`ckstore.integrations.deepspeed`. Imports commit into a store like any other
 checkpoint, so re-importing the same weights stores nothing new; exports check out a checkpoint
 (consolidated to one rank when it was sharded) and write it in the chosen format.
 
@@ -26,7 +27,7 @@ from ..records import Checkpoint
 
 __all__ = ["FORMATS", "detect_format", "read_checkpoint", "write_checkpoint", "import_checkpoint", "export_checkpoint"]
 
-FORMATS = ("torch", "safetensors", "dcp")
+FORMATS = ("torch", "safetensors", "dcp", "deepspeed")
 
 
 def _not_from_dcp(record: logging.LogRecord) -> bool:
@@ -51,7 +52,14 @@ def detect_format(path: str) -> str:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, ".metadata")):
             return "dcp"
-        raise StoreConfigError(f"{path} is a folder but not a Distributed Checkpoint (no .metadata file in it)")
+        from .deepspeed import is_deepspeed_folder
+
+        if is_deepspeed_folder(path):
+            return "deepspeed"
+        raise StoreConfigError(
+            f"{path} is a folder but neither a Distributed Checkpoint (no .metadata file in it) nor a "
+            "DeepSpeed checkpoint (no *model_states.pt files, in it or in the tag folder its latest names)"
+        )
     if not os.path.isfile(path):
         raise StoreConfigError(f"no file or folder at {path}")
     if path.endswith(".safetensors"):
@@ -130,7 +138,7 @@ def read_checkpoint(path: str, fmt: str = "auto", *, allow_pickle: bool = False)
 def import_checkpoint(
     store: Any,
     path: str,
-    step: int,
+    step: int | None,
     *,
     fmt: str = "auto",
     run: str | None = None,
@@ -145,7 +153,17 @@ def import_checkpoint(
 
     With ``sub_key=None`` the file's top-level keys become sub-checkpoints (a file saved as
     ``{"model": ..., "optimizer": ...}``); otherwise the whole file is one sub-checkpoint.
+    A DeepSpeed folder keeps its ranks and files (``step`` None: its engine state's step).
     """
+    if fmt == "deepspeed" or fmt == "auto" and detect_format(path) == "deepspeed":
+        from .deepspeed import import_folder
+
+        return import_folder(
+            store, path, step=step, run=run, metrics=metrics, tags=tags, kind=kind, allow_pickle=allow_pickle,
+            progress=progress,
+        )  # fmt: skip
+    if step is None:
+        raise StoreConfigError("pass the step to record the checkpoint as (--step)")
     state = read_checkpoint(path, fmt, allow_pickle=allow_pickle)
     if sub_key is None:
         if not isinstance(state, Mapping) or not state or not all(isinstance(k, str) for k in state):
@@ -211,7 +229,12 @@ def export_checkpoint(
     """Write checkpoint ``ref`` to ``path``: one rank (consolidated when sharded), or one sub-key.
 
     Without ``sub_key`` the file holds ``{sub_key: state_dict}`` for every sub-checkpoint.
+    ``fmt="deepspeed"`` writes every rank's files as a stock DeepSpeed folder at ``path``.
     """
+    if fmt == "deepspeed":
+        from .deepspeed import export_folder
+
+        return export_folder(store, ref, path, allow_pickle=allow_pickle, progress=progress)
     ckpt: Checkpoint = store.resolve(ref)
     layout = WorldLayout.single() if consolidate and ckpt.world_layout.world_size > 1 else None
     sub_keys = [sub_key] if sub_key else None
