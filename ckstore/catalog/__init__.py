@@ -28,7 +28,7 @@ The parts of :class:`Catalog`, one module each: ``_access`` (engine, transaction
 from __future__ import annotations
 
 from ._commit import CommitMixin
-from ._engine import redact
+from ._engine import describe_database_error, redact
 from ._gc import Candidate, GcMixin, GcTransaction, Swept
 from ._owner import Owner
 from ._queries import CorruptRowWarning
@@ -37,6 +37,7 @@ from ._survey import CheckpointId, ChunkSpan, PackExtent, Survey
 from ._usage import StoreUsage, Usage, UsageMixin
 
 __all__ = [
+    "describe_database_error",
     "Candidate",
     "Catalog",
     "CheckpointId",

@@ -26,6 +26,7 @@ __all__ = [
     "migrations_dir",
     "head_revision",
     "redact",
+    "describe_database_error",
     "PG_CONNECT_DEFAULTS",
 ]
 
@@ -202,3 +203,17 @@ def upgrade_schema(engine: Engine) -> tuple[str | None, str]:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
     return before, head_revision(engine)
+
+
+def describe_database_error(e: BaseException) -> str | None:
+    """One line for a SQLAlchemy or driver error that escaped the catalog (the driver's words,
+    never the SQL, URLs scrubbed), or None when ``e`` is not one."""
+    from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+    if isinstance(e, DBAPIError) and e.orig is not None:
+        first = (str(e.orig).strip().splitlines() or [""])[0]
+        return f"catalog error: {type(e.orig).__name__}: {scrub(first)}"
+    if isinstance(e, SQLAlchemyError):
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"catalog error: {type(e).__name__}: {scrub(first)}"
+    return None

@@ -84,14 +84,11 @@ def describe_error(e: BaseException) -> str:
     """The one line an error prints as."""
     if isinstance(e, CkstoreError):
         return f"{type(e).__name__}: {one_line(str(e))}"
-    from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+    from ..catalog import describe_database_error
 
-    if isinstance(e, DBAPIError) and e.orig is not None:  # the driver's words, not the SQL
-        first = (str(e.orig).strip().splitlines() or [""])[0]
-        return f"catalog error: {type(e.orig).__name__}: {one_line(first)}"
-    if isinstance(e, SQLAlchemyError):
-        first = (str(e).strip().splitlines() or [""])[0]
-        return f"catalog error: {type(e).__name__}: {one_line(first)}"
+    database = describe_database_error(e)
+    if database is not None:
+        return one_line(database)
     if isinstance(e, OSError):
         return f"{type(e).__name__}: {one_line(str(e))}"
     return f"unexpected {type(e).__name__}: {one_line(str(e))} (CKSTORE_DEBUG=1 shows the traceback)"

@@ -23,12 +23,12 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     import torch
 
     import ckstore
-    from ckstore.cli.demo_train import DemoConfig, Trainer, train
-    from ckstore.retention import BestN, ByKind, KeepAll, LatestN
 
+    from ..maintenance.retention import BestN, ByKind, KeepAll, LatestN
     from ._core import log_table
     from ._diff import render as render_diff
     from ._gc import render_gc
+    from .demo_train import DemoConfig, Trainer, train
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     location = obj.location or DEFAULT_STORE
