@@ -23,7 +23,8 @@ from helpers import bits, expected_piece
 
 import ckstore
 from ckstore import WorldLayout
-from ckstore.commit.collective import _packs_needed, assign_writers, failure_message
+from ckstore.commit.collective import failure_message
+from ckstore.commit.protocol import assign_writers, packs_needed
 
 pytestmark = pytest.mark.distributed
 
@@ -202,7 +203,7 @@ def test_pack_slots_bound_what_a_pack_writer_uses(tmp_path: Path) -> None:
         for i in range(count):
             w.add(_d(i), encode(memoryview(raw), 16), size)
         w.close()
-        assert len(used) <= _packs_needed(size * count, count, pack), (count, size, pack)
+        assert len(used) <= packs_needed(size * count, count, pack), (count, size, pack)
 
 
 def test_single_process_commit_of_many_ranks_records_the_same_sharding(store: ckstore.Store) -> None:
