@@ -281,7 +281,7 @@ def flatten(
                     "supported (use str, int, float, bool or None keys)"
                 )
             elif isinstance(k, int) and not isinstance(k, bool):
-                check_int(k, keys, f"dict key {k!r}")
+                check_int(k, keys, "a dict key")
             if named is None and not isinstance(k, str):
                 named = {str(j): j for j in x if isinstance(j, str)}
         if named is not None:  # 1 and "1" (or None and "None") would read as one key
