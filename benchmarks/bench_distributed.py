@@ -54,7 +54,8 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor import empty as dempty
 
     import ckstore
-    from ckstore.commit.collective import active_group, commit_collective
+    from ckstore.commit import protocol
+    from ckstore.commit.collective import active_group
 
     rank, world = args.rank, args.world
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
@@ -121,7 +122,8 @@ def worker(args: argparse.Namespace) -> None:
 
             def commit(store: Any = store, writers: str = writers) -> Any:
                 if collective:
-                    return commit_collective(store, dist.group.WORLD, 100 + step, states, None, writers=writers)
+                    ctx = protocol.CommitContext(store.blobs, store.catalog, store.config, store.workers, store.run)
+                    return protocol.commit(ctx, 100 + step, states, writers=writers)
                 return store.commit(100 + step, states)
 
             timed(f"{name}_rep_commit", commit)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .blobstore import BlobStore
-from .catalog import Catalog, Owner
+from .catalog import Catalog
 from .checkout.executor import execute_plan
 from .checkout.reshard import plan_checkout
-from .commit import _stage
 from .config import StoreConfig
 from .errors import (
     CheckpointNotFoundError,
@@ -19,7 +17,6 @@ from .errors import (
     StoreConfigError,
 )
 from .format.manifest import Manifest
-from .format.pack import PackWriter
 from .format.tensorio import dtype_from_name, itemsize, to_device, unflatten
 from .layout import WorldLayout
 from .records import Checkpoint, RunInfo
@@ -110,113 +107,17 @@ class Store:
         job's mesh (by default the DTensors' device mesh, else every rank along ``dp``).
         ``progress(done_bytes, total_bytes)`` is called as chunks are written.
         """
-        from .commit import collective as _dist
-        from .commit.dtensor import DTensorLeaves, default_layout
+        from functools import partial
 
-        group = _dist.active_group(process_group)
-        if group is not None:  # arguments are checked inside, where every rank learns the outcome
-            record: Checkpoint = _dist.commit_collective(
-                self, group, step, rank_states, metrics,
-                tags=tuple(tags), kind=kind, run=run, replace=replace, world_layout=world_layout,
-                allow_pickle=allow_pickle, parent=parent, progress=progress,
-            )  # fmt: skip
-            return record
-        run_name, clean_metrics = self._check_commit(step, metrics, tags, kind, run)
-        hook = DTensorLeaves()
-        entries = _stage.prepare_entries(rank_states, allow_pickle=allow_pickle, tensor_hook=hook)
-        layout = world_layout or default_layout(hook, max(e.rank for e in entries) + 1)
-        for e in entries:
-            layout.coords(e.rank)  # a rank outside the layout is an error
-        specs = _stage.resolve_entry_shards(entries, layout)
-        parent_id = self._parent_id(parent, run_name)
-        return self._commit_prepared(
-            run_name, step, entries, specs, layout, clean_metrics, tuple(tags), kind, replace, parent_id, progress
-        )
-
-    def _check_commit(
-        self, step: int, metrics: Mapping[str, float] | None, tags: Sequence[str], kind: str, run: str | None
-    ) -> tuple[str, dict[str, float]]:
-        """The run name and clean metrics of a commit, or an error naming the bad argument."""
-        run_name = self._run_for_commit(run)
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StoreConfigError(f"step must be a non-negative int, got {step!r}")
-        check_name("kind", kind) if kind else None
-        clean_metrics = _check_metrics(metrics)
-        for t in tags:
-            check_name("tag", t)
-        return run_name, clean_metrics
-
-    def _run_for_commit(self, run: str | None) -> str:
-        name = run or self.run
-        if name is None:
-            raise StoreConfigError(
-                "commit needs a run: open the store with ckstore.open(location, run='NAME') or pass run='NAME'"
-            )
-        return check_name("run", name)
-
-    def _parent_id(self, parent: str | int | None, run: str) -> int | None:
+        from .commit import protocol
         from .diff.lineage import commit_parent
 
-        return commit_parent(self, parent, run)
-
-    def _commit_prepared(
-        self,
-        run: str,
-        step: int,
-        entries: list[_stage.PreparedEntry],
-        specs: Mapping[tuple[int, str, str], Any],
-        layout: WorldLayout,
-        metrics: dict[str, float],
-        tags: tuple[str, ...],
-        kind: str,
-        replace: bool,
-        parent_id: int | None,
-        progress: Callable[[int, int], None] | None,
-    ) -> Checkpoint:
-        cfg = self.config
-        owner = Owner.me()
-        ckpt_id = self.catalog.begin_checkpoint(
-            run, step, kind=kind, replace=replace, owner=owner, world_layout=layout,
-            lease_seconds=cfg.lease_seconds, parent_checkpoint_id=parent_id,
+        return protocol.commit(
+            protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run),
+            step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
+            world_layout=world_layout, allow_pickle=allow_pickle, parent=partial(commit_parent, self, parent),
+            progress=progress, process_group=process_group,
         )  # fmt: skip
-        try:
-            with _stage.Heartbeat(self.catalog, ckpt_id, owner, cfg.lease_seconds / 4) as hb, ThreadPoolExecutor(
-                self.workers, thread_name_prefix="ckstore-commit"
-            ) as pool:
-                staged = _stage.stage_and_hash(entries, specs, cfg.chunk_size, pool)
-                missing = self.catalog.claim_chunks(ckpt_id, owner, _stage.all_digests(staged))
-                added: list[int] = []
-                on_open, on_close = _stage.catalog_pack_callbacks(self.catalog, ckpt_id, owner, added)
-                writer = PackWriter(self.blobs, cfg.pack_size, on_open, on_close)
-                total = sum(
-                    st.chunk(i, cfg.chunk_size).nbytes
-                    for st in staged
-                    for i, d in enumerate(st.digests)
-                    if d in missing
-                )
-                done = [0]
-
-                def tick(n: int) -> None:
-                    hb.check()  # stop writing as soon as the claim is lost
-                    done[0] += n
-                    if progress is not None:
-                        progress(done[0], total)
-
-                _stage.write_missing(
-                    staged, missing, writer, pool, chunk_size=cfg.chunk_size,
-                    level=cfg.compression_level, window=2 * self.workers, progress=tick,
-                )  # fmt: skip
-                manifests = _stage.build_manifests(entries, staged, cfg.chunk_size)
-            return self.catalog.finish_checkpoint(
-                ckpt_id, owner, entries=manifests, metrics=metrics, tags=tags,
-                logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=sum(added), replace=replace,
-            )  # fmt: skip
-        except BaseException:
-            try:
-                self.catalog.abort_checkpoint(ckpt_id, owner)
-            except Exception:  # noqa: BLE001 - the original error matters more; gc cleans up later
-                pass
-            raise
 
     # -- checkout -------------------------------------------------------------------------------
     def checkout(
@@ -452,15 +353,3 @@ class Store:
 
         return _du.usage(self.catalog, run)
 
-
-def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for k, v in (metrics or {}).items():
-        if not isinstance(k, str) or not k or len(k) > 255:
-            raise StoreConfigError(f"metric names must be non-empty strings, got {k!r}")
-        if hasattr(v, "item") and callable(v.item):
-            v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise StoreConfigError(f"metric {k!r} must be a number, got {type(v).__name__} {v!r}")
-        out[k] = float(v)
-    return out

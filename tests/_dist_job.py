@@ -245,6 +245,43 @@ def scenario_kill(store: ckstore.Store, rank: int, world: int, out: dict[str, An
     out["ok"] = True
 
 
+def scenario_lease(store: ckstore.Store, rank: int, world: int, out: dict[str, Any]) -> None:
+    """Rank 0's pending checkpoint is taken over while it writes: it must stop writing, and
+    every rank must fail."""
+    import threading
+
+    chunks = 8  # this many 64 KiB chunks per rank, all distinct: each rank writes its own
+    states = {rank: {"m": {f"w{i}": torch.full((16 * 1024,), float(rank * 100 + i)) for i in range(chunks)}}}
+    calls: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        calls.append(done)
+
+    if rank == 0:
+        lost = threading.Event()
+        real_heartbeat = store.catalog.heartbeat
+
+        def heartbeat(ckpt_id: int, owner: Any) -> bool:
+            alive = real_heartbeat(ckpt_id, owner)
+            if not alive:
+                lost.set()
+            return alive
+
+        store.catalog.heartbeat = heartbeat  # type: ignore[method-assign]
+
+        def progress(done: int, total: int) -> None:  # noqa: F811 - rank 0's own
+            calls.append(done)
+            if len(calls) == 1:  # another process judges the commit abandoned and reaps it
+                for ckpt_id, *_ in store.catalog.pending():
+                    store.catalog.delete_checkpoint(ckpt_id)
+                assert lost.wait(60), "the heartbeat never noticed the lost claim"
+
+    _expect_failure(out, "lost", lambda: store.commit(1, states, progress=progress))
+    out["calls"] = len(calls)
+    out["chunks"] = chunks
+    out["ok"] = True
+
+
 def main() -> None:
     scenario, store_path, port, rank_s, world_s, out_dir = sys.argv[1:7]
     rank, world = int(rank_s), int(world_s)

@@ -23,7 +23,8 @@ from helpers import bits, expected_piece
 
 import ckstore
 from ckstore import WorldLayout
-from ckstore.commit.collective import _packs_needed, assign_writers, failure_message
+from ckstore.commit.collective import failure_message
+from ckstore.commit.protocol import assign_writers, packs_needed
 
 pytestmark = pytest.mark.distributed
 
@@ -142,6 +143,21 @@ def test_a_killed_rank_fails_the_others_without_hanging(dstore: Path, tmp_path: 
         assert store.catalog.pending() == []  # rank 0 aborted its pending checkpoint
 
 
+def test_a_lost_lease_stops_the_collective_commit(tmp_path: Path) -> None:
+    """Rank 0 checks its lease on every chunk it writes, as a single-process commit does: once its
+    pending checkpoint is taken over it stops writing, and every rank fails."""
+    path = tmp_path / "store"
+    ckstore.open(path, run="exp", chunk_size=64 * 1024, pack_size=1024 * 1024, lease_seconds=1).close()
+    reports = run_job("lease", 2, path, tmp_path)
+    for r in reports:
+        assert r["ok"] and "failed on rank 0: CommitAbandonedError" in r["lost"], r
+        assert "nothing was committed" in r["lost"]
+    assert reports[0]["calls"] == 1 < reports[0]["chunks"]  # it stopped at the next chunk
+    assert reports[1]["calls"] == reports[1]["chunks"]  # the other rank wrote its own, then learnt
+    with ckstore.open(path, run="exp") as store:
+        assert store.checkpoints() == [] and store.catalog.pending() == []
+
+
 # -- the pure parts of the collective commit ----------------------------------------------------
 
 
@@ -202,7 +218,7 @@ def test_pack_slots_bound_what_a_pack_writer_uses(tmp_path: Path) -> None:
         for i in range(count):
             w.add(_d(i), encode(memoryview(raw), 16), size)
         w.close()
-        assert len(used) <= _packs_needed(size * count, count, pack), (count, size, pack)
+        assert len(used) <= packs_needed(size * count, count, pack), (count, size, pack)
 
 
 def test_single_process_commit_of_many_ranks_records_the_same_sharding(store: ckstore.Store) -> None:

@@ -1,24 +1,23 @@
-"""The commit pipeline: flatten → stage tensor bytes → hash chunks → claim → write packs →
-manifests. The catalog protocol around it lives in :mod:`ckstore.store` (one process) and
-:mod:`ckstore.commit.collective` (a collective commit)."""
+"""The data path of a commit: flatten → stage tensor bytes → hash chunks → encode and write
+packs → manifests. No catalog access: the protocol around it (begin, claim, record, finish) is
+:mod:`ckstore.commit.protocol`."""
 
 from __future__ import annotations
 
-import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import Catalog, Owner
 from ..checkout.reshard import PieceInfo, resolve_shards
-from ..errors import CommitAbandonedError, UnsupportedValueError
+from ..errors import CkstoreError, UnsupportedValueError
 from ..format import codec, hashing
 from ..format.manifest import Manifest, ShardSpec, TensorRecord
-from ..format.pack import PackedChunk, PackWriter
+from ..format.pack import PackWriter
 from ..format.tensorio import Leaf, dtype_name, flatten, format_path, itemsize, stage_tensors
 from ..layout import WorldLayout
+from ..refs import MAX_NAME, check_label
 
 __all__ = [
     "PreparedEntry",
@@ -28,8 +27,11 @@ __all__ = [
     "stage_and_hash",
     "write_missing",
     "build_manifests",
-    "Heartbeat",
+    "MAX_RANK",
 ]
+
+#: Ranks are stored as signed 32-bit integers.
+MAX_RANK = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -70,15 +72,18 @@ def prepare_entries(
         )
     out = []
     for rank, states in rank_states.items():
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise UnsupportedValueError(f"rank_states keys must be non-negative int ranks, got {rank!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= MAX_RANK:
+            shown = f"an int of {rank.bit_length()} bits" if isinstance(rank, int) and rank.bit_length() > 64 else repr(rank)
+            raise UnsupportedValueError(f"rank_states keys must be non-negative int ranks below 2**31, got {shown}")
         if not isinstance(states, Mapping) or not states:
             raise UnsupportedValueError(
                 f"rank {rank}: expected a non-empty dict {{sub_key: state_dict}}, got {type(states).__name__}"
             )
         for sub_key, state in states.items():
-            if not isinstance(sub_key, str) or not sub_key or len(sub_key) > 255:
-                raise UnsupportedValueError(f"rank {rank}: sub-checkpoint keys must be non-empty strings, got {sub_key!r}")
+            try:
+                check_label("sub-checkpoint key", sub_key, MAX_NAME)
+            except CkstoreError as e:
+                raise UnsupportedValueError(f"rank {rank}: {e}") from None
             tree, leaves = flatten(
                 state, allow_pickle=allow_pickle, tensor_hook=tensor_hook, where=f"rank {rank}, {sub_key}, "
             )
@@ -109,6 +114,7 @@ def piece_infos(entries: Sequence[PreparedEntry]) -> list[PieceInfo]:
 
 
 def resolve_entry_shards(entries: Sequence[PreparedEntry], layout: WorldLayout) -> dict[tuple[int, str, str], ShardSpec]:
+    """Every shard's placement in ``layout`` (entries of one process holding every rank)."""
     return resolve_shards(layout, piece_infos(entries))
 
 
@@ -218,69 +224,3 @@ def build_manifests(
         man = Manifest(e.tree, tuple(records[i]))
         out.append((e.rank, e.sub_key, man.to_bytes(), man.logical_bytes))
     return out
-
-
-def catalog_pack_callbacks(
-    catalog: Catalog, ckpt_id: int, owner: Owner, added: list[int]
-) -> tuple[Callable[[], tuple[str, Any]], Callable[[Any, int, list[PackedChunk]], None]]:
-    """PackWriter callbacks that record each pack in the catalog before and after writing it."""
-    from ..catalog import NewChunk
-    from ..format.pack import new_pack_key
-
-    def on_open() -> tuple[str, Any]:
-        key = new_pack_key()
-        return key, catalog.register_pack(ckpt_id, owner, key)
-
-    def on_close(pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
-        added.append(
-            catalog.add_chunks(
-                ckpt_id,
-                owner,
-                pack_id,
-                size,
-                [NewChunk(c.digest, c.offset, c.length, c.raw_size, c.codec) for c in chunks],
-            )
-        )
-
-    return on_open, on_close
-
-
-class Heartbeat:
-    """Refreshes a pending checkpoint's lease from a background thread."""
-
-    def __init__(self, catalog: Catalog, ckpt_id: int, owner: Owner, interval: float) -> None:
-        self.catalog, self.ckpt_id, self.owner, self.interval = catalog, ckpt_id, owner, interval
-        self.lost = False
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ckstore-heartbeat", daemon=True)
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def check(self) -> None:
-        """Raise :class:`CommitAbandonedError` once the pending checkpoint's claim is lost."""
-        if self.lost:
-            raise CommitAbandonedError(
-                "this commit's claim was taken over while it was in flight (garbage collection or "
-                "another commit judged it abandoned); nothing of it became visible. Commit again; "
-                "if it happens again, raise gc's --grace or the store's lease"
-            )
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                if not self.catalog.heartbeat(self.ckpt_id, self.owner):
-                    self.lost = True
-                    return
-            except Exception as e:  # noqa: BLE001 - reported when the commit finishes
-                self.error = e
-
-
-def all_digests(staged: Iterable[StagedTensor]) -> list[bytes]:
-    return list(dict.fromkeys(d for st in staged for d in st.digests))

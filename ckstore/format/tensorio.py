@@ -195,56 +195,87 @@ def flatten(
 
     ``tensor_hook`` lets integrations turn foreign leaves (a DTensor, say) into a :class:`Leaf`.
     Values ckstore cannot store raise :class:`UnsupportedValueError` naming their key path,
-    unless ``allow_pickle`` is set, in which case they are pickled.
+    unless ``allow_pickle`` is set, in which case they are pickled. So does a tree that could not
+    be read back as it was: nested deeper than :data:`MAX_DEPTH`, a string key or value that has
+    no UTF-8 encoding (a lone surrogate), a NUL character in a key, an int too long for the
+    manifest, or two values that would have the same key path as users read it
+    (:func:`format_path`: ``{"a/b": x}`` beside ``{"a": {"b": y}}``, or keys ``1`` and ``"1"``).
     """
     leaves: list[Leaf] = []
     active: set[int] = set()
+    values: list[tuple[Any, ...]] = []  # the key path of every value that is not a container
+    slashed = [False]  # a key holds "/": two key paths may read alike
 
     def at(keys: tuple[Any, ...]) -> str:
         return f"{where}key {format_path(keys)!r}" if where else f"key {format_path(keys)!r}"
 
+    def check_str(x: str, keys: tuple[Any, ...], what: str) -> None:
+        if not x.isascii():
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise UnsupportedValueError(
+                    f"{at(keys)}: {what} {x[:60]!r} contains a lone surrogate {x[e.start]!r}, which has "
+                    "no UTF-8 encoding; store it as bytes"
+                ) from None
+
+    def check_int(x: int, keys: tuple[Any, ...], what: str) -> None:
+        if x.bit_length() > _MAX_INT_BITS:
+            raise UnsupportedValueError(
+                f"{at(keys)}: {what} is an int of {x.bit_length()} bits; ints of more than "
+                f"{_MAX_INT_BITS} bits cannot be stored (store it as bytes)"
+            )
+
     def walk(x: Any, keys: tuple[Any, ...]) -> Any:
+        if len(keys) > MAX_DEPTH:
+            raise UnsupportedValueError(
+                f"{at(keys)}: the state tree is nested deeper than {MAX_DEPTH} levels of dicts, lists "
+                "and tuples; flatten it"
+            )
         if tensor_hook is not None:
             hooked = tensor_hook(x)
             if hooked is not None:
                 hooked.keys = keys
                 _check_storable(hooked.tensor, at(keys))
                 leaves.append(hooked)
+                values.append(keys)
                 return ["T", len(leaves) - 1]
         if isinstance(x, Shard):
             if not isinstance(x.tensor, torch.Tensor):
                 raise UnsupportedValueError(f"{at(keys)}: Shard must wrap a torch.Tensor")
             _check_storable(x.tensor, at(keys))
             leaves.append(Leaf(keys, x.tensor, x))
+            values.append(keys)
             return ["T", len(leaves) - 1]
         if isinstance(x, torch.Tensor):
             _check_storable(x, at(keys))
             leaves.append(Leaf(keys, x, None))
+            values.append(keys)
             return ["T", len(leaves) - 1]
+        if isinstance(x, str):
+            check_str(x, keys, "the string")
+        elif isinstance(x, int) and not isinstance(x, bool):
+            check_int(x, keys, "the value")
         enc = _encode_scalar(x)
         if enc is not None:
+            values.append(keys)
             return enc
         if isinstance(x, (dict, list, tuple)) and (type(x) in (dict, list, tuple) or _plain_subclass(x)):
             if id(x) in active:
                 raise UnsupportedValueError(f"{at(keys)}: the state tree contains a reference cycle")
+            if not x:
+                values.append(keys)
             active.add(id(x))
             try:
                 if isinstance(x, dict):
-                    items = []
-                    for k, v in x.items():
-                        if not isinstance(k, _KEY_TYPES):
-                            raise UnsupportedValueError(
-                                f"{at(keys)}: dict key {k!r} of type {type(k).__name__} is not "
-                                "supported (use str, int, float, bool or None keys)"
-                            )
-                        items.append([_encode_scalar(k), walk(v, (*keys, k))])
-                    return ["d", items]
+                    return ["d", walk_dict(x, keys)]
                 tag = "l" if isinstance(x, list) else "t"
                 return [tag, [walk(v, (*keys, i)) for i, v in enumerate(x)]]
             finally:
                 active.discard(id(x))
         if allow_pickle:
             try:
+                values.append(keys)
                 return ["P", base64.b64encode(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)).decode()]
             except Exception as e:  # noqa: BLE001 - any pickling failure is the user's value
                 raise UnsupportedValueError(f"{at(keys)}: value of type {type(x).__name__} cannot be pickled: {e}") from e
@@ -255,7 +286,55 @@ def flatten(
             "allow_pickle=True too)"
         )
 
-    return walk(obj, ()), leaves
+    def walk_dict(x: dict[Any, Any], keys: tuple[Any, ...]) -> list[Any]:
+        items = []
+        named: dict[str, Any] | None = None  # a dict with keys that are not str: keys as read
+        for k in x:
+            if isinstance(k, str):
+                check_str(k, keys, "the dict key")
+                if "\x00" in k:
+                    raise UnsupportedValueError(f"{at(keys)}: dict key {k!r} contains a NUL character")
+                if "/" in k:
+                    slashed[0] = True
+            elif not isinstance(k, _KEY_TYPES):
+                raise UnsupportedValueError(
+                    f"{at(keys)}: dict key {k!r} of type {type(k).__name__} is not "
+                    "supported (use str, int, float, bool or None keys)"
+                )
+            elif isinstance(k, int) and not isinstance(k, bool):
+                check_int(k, keys, "a dict key")
+            if named is None and not isinstance(k, str):
+                named = {str(j): j for j in x if isinstance(j, str)}
+        if named is not None:  # 1 and "1" (or None and "None") would read as one key
+            for k in x:
+                if isinstance(k, str):
+                    continue
+                other = named.setdefault(str(k), k)
+                if other is not k:
+                    raise _collision(where, (*keys, other), (*keys, k))
+        for k, v in x.items():
+            items.append([_encode_scalar(k), walk(v, (*keys, k))])
+        return items
+
+    tree = walk(obj, ())
+    if slashed[0]:  # only a key holding "/" can make key paths of different depths read alike
+        seen: dict[str, tuple[Any, ...]] = {}
+        for keys in values:
+            other = seen.setdefault(format_path(keys), keys)
+            if other is not keys:
+                raise _collision(where, other, keys)
+    return tree, leaves
+
+
+#: The longest int a state tree may hold (the manifest's JSON reader takes at most 4300 digits).
+_MAX_INT_BITS = 14_000
+
+
+def _collision(where: str, a: tuple[Any, ...], b: tuple[Any, ...]) -> UnsupportedValueError:
+    return UnsupportedValueError(
+        f"{where}key paths {list(a)!r} and {list(b)!r} would both read as {format_path(a)!r}; "
+        "rename one of them (ckstore names every value by its key path joined with '/')"
+    )
 
 
 def _plain_subclass(x: Any) -> bool:

@@ -1,0 +1,441 @@
+"""The commit protocol: one path for one process and for a torch.distributed job.
+
+A single-process commit is the collective commit on a group of one (:class:`~ckstore.commit.
+collective.Group`); inside a distributed job every rank calls :meth:`ckstore.Store.commit` with
+its own states (``{rank: states}``, its rank in the group) and the call is a collective. Who does
+what, in order:
+
+1. every rank   checks the commit's arguments, flattens its states and declares its shards
+                (DTensors included); nothing is written before this step has passed everywhere
+   all-gather   the declarations: every rank derives the same global shapes and offsets (an
+                inconsistent declaration raises the same error on every rank)
+2. rank 0       opens the pending checkpoint and keeps its lease alive until the end
+   every rank   stages its tensors and hashes their chunks
+   gather       each rank's chunk digests and sizes, to rank 0
+3. rank 0       references the chunks the store already has; picks exactly one writer among the
+                ranks holding each missing chunk (runs of consecutive chunks, balanced by bytes),
+                so data-parallel replicas are written once in total; records the keys of the
+                packs every other rank may need, before any is written
+   scatter      to each rank: the chunks it writes and its pack keys
+4. every rank   encodes its chunks and writes its packs straight to the blob store, in parallel;
+                rank 0 records each of its own packs before writing it and its chunks once written
+   gather       each rank's packs and manifests, to rank 0
+5. rank 0       records the other ranks' packs' chunks, then makes the checkpoint visible in one
+                transaction
+   broadcast    the checkpoint, or the error: every rank returns the same record
+
+Only rank 0 talks to the catalog. Rank 0 checks its lease before each of its steps and before
+each chunk it writes: once the pending checkpoint was taken over (gc or another commit judged it
+abandoned) it stops with :class:`~ckstore.errors.CommitAbandonedError`, which the other ranks learn
+at the next collective. On a group of one a failure raises as it is; on a larger group every
+collective also carries each rank's success or error, so when one rank fails every rank raises
+:class:`~ckstore.errors.DistributedCommitError` naming it, at the same step. Either way rank 0
+aborts the pending checkpoint: nothing becomes visible, and whatever was written is garbage that
+``gc`` removes. A rank that dies outright makes the others' collectives fail (or time out, after
+the process group's timeout), with the same outcome.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from ..blobstore import BlobStore
+from ..catalog import Catalog, NewChunk, Owner
+from ..checkout.reshard import resolve_shards
+from ..config import StoreConfig
+from ..errors import (
+    CkstoreError,
+    CommitAbandonedError,
+    DistributedCommitError,
+    LayoutError,
+    UnsupportedValueError,
+)
+from ..format.codec import HEADER_SIZE
+from ..format.manifest import ShardSpec
+from ..format.pack import PACK_HEADER, PackedChunk, PackWriter, new_pack_key
+from ..layout import WorldLayout
+from ..records import Checkpoint
+from . import _stage
+from ._arguments import CommitArguments, check_arguments
+from .collective import Group, bind
+from .dtensor import DTensorLeaves, default_layout
+
+__all__ = ["CommitContext", "commit", "assign_writers", "Heartbeat", "WRITERS"]
+
+#: Who writes a chunk several ranks hold: "assigned" (one rank, picked by rank 0) or "all"
+#: (every holder writes its copy; later copies are dead bytes in their packs until gc).
+WRITERS = ("assigned", "all")
+
+# a frame is its raw bytes plus a header and, for byte planes, one u32 per plane (16 at most)
+_MAX_FRAME_OVERHEAD = HEADER_SIZE + 4 * 16
+
+
+@dataclass(frozen=True, slots=True)
+class CommitContext:
+    """What a commit needs of a store: where bytes and records go, and how to write them."""
+
+    blobs: BlobStore
+    catalog: Catalog
+    config: StoreConfig
+    workers: int
+    run: str | None = None  # the store's default run, for commits that name none
+
+
+def commit(
+    ctx: CommitContext,
+    step: int,
+    rank_states: Any,
+    metrics: Mapping[str, Any] | None = None,
+    *,
+    tags: Sequence[str] = (),
+    kind: str = "checkpoint",
+    run: str | None = None,
+    replace: bool = False,
+    world_layout: WorldLayout | None = None,
+    allow_pickle: bool = False,
+    parent: Callable[[str], int | None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    process_group: Any = None,
+    writers: str = "assigned",
+) -> Checkpoint:
+    """Commit ``rank_states`` as checkpoint ``step`` (see the module docstring).
+
+    ``parent(run)`` returns the id of the checkpoint the commit descends from (None for none); it
+    runs on rank 0 only, before the pending checkpoint is opened. The checkpoint records rank 0's
+    metrics and tags. ``progress(done, total)`` counts the bytes this rank writes.
+    """
+    if writers not in WRITERS:
+        raise CkstoreError(f"writers must be one of {WRITERS}, got {writers!r}")
+    name = run or ctx.run
+    group = bind(process_group, f"commit of run {name!r}, step {step}")
+    job = _Commit(ctx, group, writers, progress)
+    try:
+        with ExitStack() as stack:  # the heartbeat and the thread pool, stopped before an abort
+            job.declare(stack, name, step, rank_states, metrics, tags, kind, world_layout, allow_pickle)
+            job.hash(stack, replace, parent)
+            job.plan_writes()
+            job.write()
+            return job.finish(replace)
+    except BaseException:
+        job.abort()
+        raise
+
+
+class _Commit:
+    """One rank's side of a commit, one method per step of the module docstring."""
+
+    def __init__(
+        self, ctx: CommitContext, group: Group, writers: str, progress: Callable[[int, int], None] | None
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.config
+        self.g = group
+        self.writers = writers
+        self.progress = progress
+        self.owner = Owner.me()
+        self.args: CommitArguments | None = None
+        self.layout: WorldLayout | None = None
+        self.ckpt_id: int | None = None  # rank 0: the pending checkpoint
+        self.heartbeat: Heartbeat | None = None  # rank 0: keeps the pending checkpoint's lease
+        self.pool: ThreadPoolExecutor | None = None
+        self.entries: list[_stage.PreparedEntry] = []
+        self.specs: Mapping[tuple[int, str, str], ShardSpec] = {}
+        self.staged: list[_stage.StagedTensor] = []
+        self.held: dict[bytes, int] = {}  # raw size of every distinct chunk this rank holds
+        self.holdings: list[list[tuple[bytes, int]]] | None = None  # rank 0: what every rank holds
+        self.mine: tuple[list[bytes], list[tuple[str, int]]] = ([], [])  # chunks to write, pack slots
+        self.results: list[Any] | None = None  # rank 0: every rank's packs and manifests
+        self.added: list[int] = []  # rank 0: stored bytes each of its own packs added
+
+    def abort(self) -> None:
+        if self.ckpt_id is None:
+            return
+        try:
+            self.ctx.catalog.abort_checkpoint(self.ckpt_id, self.owner)
+        except Exception:  # noqa: BLE001 - the original error matters more; gc cleans up later
+            pass
+        self.ckpt_id = None
+
+    def check_lease(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.check()
+
+    def declare(
+        self,
+        stack: ExitStack,
+        run: str | None,
+        step: int,
+        rank_states: Any,
+        metrics: Mapping[str, Any] | None,
+        tags: Sequence[str],
+        kind: str,
+        world_layout: WorldLayout | None,
+        allow_pickle: bool,
+    ) -> None:
+        """Step 1: check the arguments, flatten, agree on run, step and layout, and derive every
+        shard's placement."""
+        g = self.g
+
+        def local() -> tuple[Any, ...]:
+            self.args = check_arguments(run, step, metrics, tags, kind)
+            hook = DTensorLeaves()
+            self.entries = _stage.prepare_entries(rank_states, allow_pickle=allow_pickle, tensor_hook=hook)
+            ranks = sorted({e.rank for e in self.entries})
+            if g.size > 1 and ranks != [g.rank]:
+                raise UnsupportedValueError(
+                    f"in a collective commit each rank passes only its own states: rank {g.rank} "
+                    f"passed ranks {ranks}; call commit(step, {{{g.rank}: states}}) on every rank"
+                )
+            layout = world_layout or default_layout(hook, g.size if g.size > 1 else ranks[-1] + 1)
+            if g.size > 1 and layout.world_size != g.size:
+                raise LayoutError(
+                    f"world_layout {layout.mesh} has {layout.world_size} ranks but the process group has {g.size}"
+                )
+            for r in ranks:
+                layout.coords(r)  # a rank outside the layout is an error
+            return self.args.run, self.args.step, layout.to_json(), _stage.piece_infos(self.entries)
+
+        declared = g.all_gather("declaring shards", g.attempt(local))
+        first = declared[0]
+        for r, d in enumerate(declared):
+            if d[:3] != first[:3]:
+                raise DistributedCommitError(
+                    f"{g.what}: ranks disagree on what they commit: rank 0 commits run {first[0]!r}, step "
+                    f"{first[1]}, layout {WorldLayout.from_json(first[2]).mesh}; rank {r} commits run "
+                    f"{d[0]!r}, step {d[1]}, layout {WorldLayout.from_json(d[2]).mesh}"
+                )
+        # the same inputs on every rank: an inconsistent declaration raises the same error everywhere
+        self.layout = WorldLayout.from_json(first[2])
+        self.specs = resolve_shards(self.layout, [p for d in declared for p in d[3]])
+        self.pool = stack.enter_context(ThreadPoolExecutor(self.ctx.workers, thread_name_prefix="ckstore-commit"))
+
+    def hash(self, stack: ExitStack, replace: bool, parent: Callable[[str], int | None] | None) -> None:
+        """Step 2: rank 0 opens the pending checkpoint; every rank stages and hashes its chunks;
+        rank 0 learns what every rank holds."""
+        g, cs = self.g, self.cfg.chunk_size
+
+        def local() -> tuple[bytes, list[int]]:
+            assert self.pool is not None and self.args is not None and self.layout is not None
+            if g.rank == 0:
+                a, catalog = self.args, self.ctx.catalog
+                parent_id = parent(a.run) if parent is not None else None
+                self.ckpt_id = catalog.begin_checkpoint(
+                    a.run, a.step, kind=a.kind, replace=replace, owner=self.owner, world_layout=self.layout,
+                    lease_seconds=self.cfg.lease_seconds, parent_checkpoint_id=parent_id,
+                )  # fmt: skip
+                self.heartbeat = stack.enter_context(
+                    Heartbeat(catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
+                )
+            self.staged = _stage.stage_and_hash(self.entries, self.specs, cs, self.pool)
+            for st in self.staged:
+                for i, d in enumerate(st.digests):
+                    self.held.setdefault(d, st.chunk(i, cs).nbytes)
+            return _join(list(self.held)), list(self.held.values())
+
+        gathered = g.gather("hashing chunks", g.attempt(local))
+        if gathered is not None:
+            self.holdings = [list(zip(_split(h[0]), h[1])) if h is not None else [] for h in gathered]
+
+    def plan_writes(self) -> None:
+        """Step 3: rank 0 claims existing chunks, picks writers and records the other ranks'
+        pack keys."""
+        g, cfg = self.g, self.cfg
+
+        def local() -> list[Any]:
+            assert self.holdings is not None and self.ckpt_id is not None
+            self.check_lease()
+            catalog = self.ctx.catalog
+            wanted = list(dict.fromkeys(d for items in self.holdings for d, _ in items))
+            missing = catalog.claim_chunks(self.ckpt_id, self.owner, wanted)
+            if self.writers == "all" or g.size == 1:
+                plan = [[d for d, _ in items if d in missing] for items in self.holdings]
+            else:
+                copies: dict[bytes, list[int]] = {}
+                for items in self.holdings:
+                    for d, n in items:
+                        if d in missing:
+                            copies.setdefault(d, []).append(n)
+                shared = sum(ns[0] for ns in copies.values() if len(ns) > 1)
+                run_bytes = min(cfg.pack_size, max(cfg.chunk_size, shared // (4 * g.size)))
+                plan = assign_writers(self.holdings, missing, run_bytes)
+            sizes = {d: n for items in self.holdings for d, n in items}
+            # rank 0 records its own packs as it opens them; the others' are recorded up front
+            needed = [0] + [packs_needed(sum(sizes[d] for d in p), len(p), cfg.pack_size) for p in plan[1:]]
+            keys = [new_pack_key() for _ in range(sum(needed))]
+            ids = iter(zip(keys, catalog.register_packs(self.ckpt_id, self.owner, keys) if keys else []))
+            return [(_join(p), [next(ids) for _ in range(n)]) for p, n in zip(plan, needed)]
+
+        outcome = g.attempt(local) if g.rank == 0 else (None, None)
+        digests, slots = g.scatter("assigning chunks to writers", outcome)
+        self.mine = (_split(digests), slots)
+
+    def write(self) -> None:
+        """Step 4: write this rank's chunks into its packs; rank 0 gathers packs and manifests."""
+        cfg, g = self.cfg, self.g
+
+        def local() -> tuple[list[tuple[int, int, list[PackedChunk]]], list[Any]]:
+            assert self.pool is not None
+            assigned = set(self.mine[0])
+            slots = deque(self.mine[1])
+            packs: list[tuple[int, int, list[PackedChunk]]] = []
+
+            def on_open() -> tuple[str, Any]:
+                if self.ckpt_id is not None:  # rank 0: record the pack before its object is written
+                    key = new_pack_key()
+                    return key, self.ctx.catalog.register_pack(self.ckpt_id, self.owner, key)
+                if not slots:
+                    raise CkstoreError(f"rank {g.rank} needs more packs than were recorded for it")
+                return slots.popleft()
+
+            def on_close(pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
+                if self.ckpt_id is not None:  # rank 0: record the written pack's chunks now
+                    # (on the writer's upload threads: list.append, not +=, is safe there)
+                    self.added.append(self.ctx.catalog.add_chunks(self.ckpt_id, self.owner, pack_id, size, _rows(chunks)))
+                else:
+                    packs.append((pack_id, size, chunks))
+
+            total = sum(self.held[d] for d in assigned)
+            done = 0
+
+            def tick(n: int) -> None:
+                nonlocal done
+                self.check_lease()  # stop writing as soon as the claim is lost
+                done += n
+                if self.progress is not None:
+                    self.progress(done, total)
+
+            writer = PackWriter(self.ctx.blobs, cfg.pack_size, on_open, on_close)
+            _stage.write_missing(
+                self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
+                level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick,
+            )  # fmt: skip
+            return packs, _stage.build_manifests(self.entries, self.staged, cfg.chunk_size)
+
+        self.results = g.gather("writing chunks", g.attempt(local))
+
+    def finish(self, replace: bool) -> Checkpoint:
+        """Step 5: rank 0 records every pack's chunks and makes the checkpoint visible."""
+
+        def local() -> Checkpoint:
+            assert self.results is not None and self.ckpt_id is not None and self.args is not None
+            self.check_lease()
+            catalog = self.ctx.catalog
+            packs = [(pack_id, size, _rows(chunks)) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
+            added = sum(self.added) + (catalog.add_packs(self.ckpt_id, self.owner, packs) if packs else 0)
+            manifests = [m for _, ms in self.results for m in ms]
+            ckpt = catalog.finish_checkpoint(
+                self.ckpt_id, self.owner, entries=manifests, metrics=self.args.metrics, tags=self.args.tags,
+                logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=added, replace=replace,
+            )  # fmt: skip
+            self.ckpt_id = None  # visible now: nothing to abort
+            return ckpt
+
+        outcome = self.g.attempt(local) if self.g.rank == 0 else (None, None)
+        ckpt: Checkpoint = self.g.broadcast("making the checkpoint visible", outcome)
+        return ckpt
+
+
+class Heartbeat:
+    """Refreshes a pending checkpoint's lease from a background thread until the context exits."""
+
+    def __init__(self, catalog: Catalog, ckpt_id: int, owner: Owner, interval: float) -> None:
+        self.catalog, self.ckpt_id, self.owner, self.interval = catalog, ckpt_id, owner, interval
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckstore-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def check(self) -> None:
+        """Raise :class:`CommitAbandonedError` once the pending checkpoint's claim is lost."""
+        if self.lost:
+            raise CommitAbandonedError(
+                "this commit's claim was taken over while it was in flight (garbage collection or "
+                "another commit judged it abandoned); nothing of it became visible. Commit again; "
+                "if it happens again, raise gc's --grace or the store's lease"
+            )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                if not self.catalog.heartbeat(self.ckpt_id, self.owner):
+                    self.lost = True
+                    return
+            except Exception:  # noqa: BLE001, S112 - a failed beat is retried at the next; a lease
+                continue  # that lapses meanwhile is refused by the catalog at the next record
+
+
+def packs_needed(raw_bytes: int, chunks: int, pack_size: int) -> int:
+    """An upper bound on the packs a :class:`PackWriter` fills with these chunks (a pack is
+    closed once it reaches ``pack_size``, so all but the last hold at least that much)."""
+    if not chunks:
+        return 0
+    # + 2: the last, partly filled pack, and the pack of small chunks closed ahead of the others
+    return (raw_bytes + chunks * _MAX_FRAME_OVERHEAD) // (pack_size - len(PACK_HEADER)) + 2
+
+
+def assign_writers(
+    holdings: Sequence[Sequence[tuple[bytes, int]]], missing: Collection[bytes], run_bytes: int
+) -> list[list[bytes]]:
+    """Pick exactly one writer for every missing chunk.
+
+    ``holdings[r]`` lists the ``(digest, raw_size)`` of the chunks rank ``r`` holds, in the order
+    it would write them. A chunk only one rank holds is that rank's; a chunk several ranks hold
+    (a replicated tensor) goes to one of them, in runs of about ``run_bytes`` consecutive chunks
+    (so a tensor's chunks stay together in one pack), each run to the holder with the fewest bytes
+    assigned so far. Returns, for each rank, the digests it writes, in its own order.
+    """
+    holders: dict[bytes, set[int]] = {}
+    size: dict[bytes, int] = {}
+    for r, items in enumerate(holdings):
+        for d, n in items:
+            if d in missing:
+                holders.setdefault(d, set()).add(r)
+                size[d] = n
+    owner: dict[bytes, int] = {}
+    load = [0] * len(holdings)
+    for d, hs in holders.items():
+        if len(hs) == 1:
+            (owner[d],) = hs
+            load[owner[d]] += size[d]
+    cur, run = -1, 0
+    for items in holdings:
+        for d, _ in items:
+            if d in owner or d not in holders:
+                continue
+            hs = holders[d]
+            if cur not in hs or run >= run_bytes:
+                cur, run = min(hs, key=lambda r: (load[r], r)), 0
+            owner[d] = cur
+            load[cur] += size[d]
+            run += size[d]
+    out: list[list[bytes]] = [[] for _ in holdings]
+    for r, items in enumerate(holdings):
+        for d, _ in items:
+            if owner.get(d) == r:
+                out[r].append(d)
+    return out
+
+
+def _rows(chunks: Sequence[PackedChunk]) -> list[NewChunk]:
+    return [NewChunk(c.digest, c.offset, c.length, c.raw_size, c.codec) for c in chunks]
+
+
+def _join(digests: Sequence[bytes]) -> bytes:
+    return b"".join(digests)
+
+
+def _split(blob: bytes) -> list[bytes]:
+    return [blob[i : i + 16] for i in range(0, len(blob), 16)]
