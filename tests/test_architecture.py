@@ -11,6 +11,25 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ckstore"
 #: modules only the catalog may import: SQL and the catalog's table-level internals
 SQL_MODULES = ("sqlalchemy", "ckstore.catalog._schema", "ckstore.catalog._rows", "ckstore.catalog._queries")
 
+#: SQLAlchemy's URL parser is not SQL: ckstore.urls parses catalog URLs with it (never a regex)
+URL_PARSER = ("sqlalchemy.engine", "sqlalchemy.engine.URL", "sqlalchemy.engine.make_url")
+
+#: the layers, bottom up: a module imports only its own package and lower layers; packages on
+#: one layer do not import each other (commit, diff and maintenance stand side by side), except
+#: the shared values of the first layer
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "layout", "records", "refs", "urls", "config"),  # values every layer shares
+    ("blobstore", "catalog"),  # bytes under keys; SQL
+    ("format",),  # frames, packs, manifests, the tree walker
+    ("checkout",),  # shard resolution, read plans, the executor
+    ("commit", "diff", "maintenance"),
+    ("store",),
+    ("opening",),
+    ("integrations",),
+    ("cli",),
+    ("__main__", "retention", ""),  # the package root and its public re-exports
+)
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -63,5 +82,69 @@ def test_sql_stays_inside_the_catalog() -> None:
         if catalog not in path.parents
         for line, name in imports(path)
         if any(_is_within(name, banned) for banned in SQL_MODULES)
+        and not (path == PACKAGE / "urls.py" and name in URL_PARSER)
     ]
     assert offenders == []
+
+
+def _unit(module: str) -> str:
+    """The layer unit of ``ckstore.X.Y``: ``X`` (``""`` for the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _rank(unit: str) -> int:
+    for i, units in enumerate(LAYERS):
+        if unit in units:
+            return i
+    raise AssertionError(f"ckstore.{unit} is on no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+def test_no_module_imports_a_layer_above_it() -> None:
+    offenders = []
+    for path in modules():
+        here = _unit(_module_name(path))
+        for line, name in imports(path):
+            if not _is_within(name, "ckstore") or name == "ckstore":
+                continue
+            there = _unit(name)
+            if there != here and _rank(there) >= max(_rank(here), 1):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    assert offenders == []
+
+
+def test_the_layer_rules_see_a_violation() -> None:
+    """A lower layer importing a higher one is caught (else the rule above proves nothing)."""
+    assert _rank(_unit("ckstore.format.codec")) < _rank(_unit("ckstore.store"))
+    assert _rank(_unit("ckstore.commit.protocol")) == _rank(_unit("ckstore.maintenance.gc"))
+    assert _unit("ckstore") == "" and _rank("") == len(LAYERS) - 1
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Module-level imports (including those under ``TYPE_CHECKING``) form no cycle."""
+    names = {_module_name(p): p for p in modules()}
+    graph: dict[str, set[str]] = {}
+    for mod, path in names.items():
+        deps = set()
+        for _, name in imports(path):
+            while name and name not in names:
+                name = name.rpartition(".")[0]
+            if name and name != mod and not mod.startswith(name + "."):
+                deps.add(name)
+        graph[mod] = deps
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(mod: str, trail: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                cycles.append(trail[trail.index(dep):] + [dep] if dep in trail else [mod, dep])
+            elif dep not in state:
+                visit(dep, [*trail, dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert cycles == []

@@ -93,6 +93,13 @@ def test_nesting_deeper_than_the_limit_is_refused_naming_the_key(vstore: ckstore
     assert torch.equal(got, torch.ones(2))
 
 
+def test_an_empty_container_at_the_limit_reads_back(vstore: ckstore.Store) -> None:
+    """Encoding and decoding draw the line at the same depth: what a commit accepts, checkout reads."""
+    edge = nested(MAX_DEPTH - 1, {})  # under key "deep": an empty dict MAX_DEPTH keys down
+    vstore.commit(2, states(deep=edge))
+    assert vstore.checkout(2)[0]["m"]["deep"] == edge
+
+
 # -- text that no catalog column or manifest can hold ----------------------------------------------
 
 SURROGATE = "bad\udc80name"

@@ -19,6 +19,7 @@ import torch
 from ..errors import IntegrityError, UnsupportedValueError
 from ..layout import Shard
 from . import tree as tree_format
+from .tree import MAX_DEPTH
 
 __all__ = [
     "Leaf",
@@ -163,9 +164,6 @@ def format_path(keys: tuple[Any, ...]) -> str:
 
 _KEY_TYPES = (str, int, float, bool, type(None))
 
-#: The deepest nesting of dicts, lists and tuples a state tree may have (the root is depth 0).
-#: Commits refuse deeper trees before writing anything; decoding refuses deeper manifests.
-MAX_DEPTH = 100
 
 
 def _encode_scalar(x: Any) -> list[Any] | None:

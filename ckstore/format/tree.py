@@ -144,10 +144,10 @@ def nodes(tree: Any, where: str = "") -> Iterator[tuple[tuple[Any, ...], str, An
     stack: list[tuple[tuple[Any, ...], Any]] = [((), tree)]
     while stack:
         keys, node = stack.pop()
+        if len(keys) > MAX_DEPTH:
+            raise _bad(where, keys, f"nested deeper than {MAX_DEPTH} levels")
         tag = _tag(node, where, keys)
         if tag in CONTAINER_TAGS:
-            if len(keys) >= MAX_DEPTH:
-                raise _bad(where, keys, f"nested deeper than {MAX_DEPTH} levels")
             children = _children(node, tag, where, keys)
             yield keys, tag, node
             stack.extend(((*keys, k), v) for k, v in reversed(children))
