@@ -103,12 +103,18 @@ def test_every_error_exits_2_in_one_line(hostile_store: str, tmp_path: Path) -> 
     code, out = _invoke("--store", str(tmp_path / "nothing"), "fsck")
     assert code == 2 and out.strip().count("\n") == 0
 
-    # a CkstoreError no command expects: a catalog row naming a key outside ckstore's namespaces
+    # a catalog row naming a key outside ckstore's namespaces: gc refuses it, says so, goes on
     with sqlite3.connect(Path(hostile_store) / "catalog.db") as db:
         db.execute("INSERT INTO trash (key, created_at) VALUES ('ckstore.json', '2020-01-01 00:00:00.000000')")
     code, out = _invoke("--store", hostile_store, "gc", "--grace", "0")
-    assert code == 2 and "NotOwnedError" in out and out.strip().count("\n") == 0, out
+    assert code == 0 and "refused to delete ckstore.json" in " ".join(out.split()), out
     assert (Path(hostile_store) / "ckstore.json").exists()
+
+    # a CkstoreError no command expects: a manifest that is not one
+    with sqlite3.connect(Path(hostile_store) / "catalog.db") as db:
+        db.execute("UPDATE entries SET manifest = x'00'")
+    code, out = _invoke("--store", hostile_store, "show", "latest")
+    assert code == 2 and "IntegrityError" in out and out.strip().count("\n") == 0, out
 
     # a config that is not JSON, and one that is not an object
     broken = tmp_path / "broken"

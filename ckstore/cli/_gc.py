@@ -128,6 +128,11 @@ def render_gc(report: Any) -> None:
             )
     for p in report.reaped:
         console.print(f"{reap} abandoned commit {esc(p.run)}@{p.step}: {esc(p.why)}")
+    for key in report.refused:
+        console.print(
+            f"[bold red]refused[/] to delete {esc(key)}: a trash row names it outside ckstore's own "
+            "objects (a damaged or tampered catalog); it was left in place"
+        )
     console.print(
         f"{drop} {len(report.dropped)} checkpoints; "
         f"{free} {report.chunks_freed} chunks ({human_bytes(report.chunk_bytes_freed)}); "

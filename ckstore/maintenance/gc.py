@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from ..blobstore import BlobStore
+from ..blobstore import BlobStore, NotOwnedError
 from ..catalog import Candidate, Catalog, GcTransaction, Owner, Pending, Survey, utcnow
 from ..errors import PolicyError, ProtectedCheckpointError
 from ..records import Checkpoint
@@ -102,6 +102,9 @@ class GcReport:
     temp_files_deleted: int
     grace: float
     seconds: float
+    #: keys that trash rows named outside ckstore's namespaces: refused, left in place and in the
+    #: trash table (a damaged or tampered catalog; see ``ckstore fsck``)
+    refused: tuple[str, ...] = ()
 
     @property
     def dropped(self) -> list[str]:
@@ -256,14 +259,29 @@ def stale_temp_files(blobs: BlobStore, cutoff: float, catalog: Catalog) -> list[
 
 
 def _delete_objects(blobs: BlobStore, keys: Sequence[str], phase: str, progress: Progress | None,
-                    after_batch: Callable[[list[str]], None] | None = None) -> None:  # fmt: skip
+                    after_batch: Callable[[list[str]], None] | None = None) -> list[str]:  # fmt: skip
+    """Delete ``keys`` in batches; returns the keys the blob store refused to delete because they
+    lie outside the namespaces ckstore owns (a damaged or tampered row named them). Those stay
+    where they are, and so do the rows naming them; everything else is deleted."""
+    refused: list[str] = []
     for i in range(0, len(keys), 100):
         batch = list(keys[i : i + 100])
-        blobs.delete(batch)
-        if after_batch is not None:
+        try:
+            blobs.delete(batch)
+        except NotOwnedError:  # the batch was refused whole, before any delete: go key by key
+            deleted = []
+            for key in batch:
+                try:
+                    blobs.delete([key])
+                    deleted.append(key)
+                except NotOwnedError:
+                    refused.append(key)
+            batch = deleted
+        if after_batch is not None and batch:
             after_batch(batch)
         if progress is not None:
             progress(phase, min(i + 100, len(keys)), len(keys))
+    return refused
 
 
 def remove_temp_files(blobs: BlobStore, handles: Sequence[str]) -> int:
@@ -318,17 +336,21 @@ def collect(
         reaped = reap_abandoned(txn, grace, now)
         swept = txn.sweep(now)
         trash_keys = txn.trash_keys()
-    trash_bytes = sum(listing[k][0] if k in listing else swept.trashed.get(k, 0) for k in trash_keys)
+    def stored_bytes(keys: Sequence[str]) -> int:
+        return sum(listing[k][0] if k in listing else swept.trashed.get(k, 0) for k in keys)
+
     in_trash = set(trash_keys)
     with catalog.snapshot() as survey:  # read after the listing: see find_orphans
         orphans = [k for k in find_orphans(survey, listing, cutoff) if k not in in_trash]
     orphan_bytes = sum(listing[k][0] for k in orphans)
     temps = stale_temp_files(blobs, cutoff, catalog)
 
+    refused: list[str] = []
     if not dry_run:
-        _delete_objects(blobs, trash_keys, "delete", progress, catalog.forget_trash)
+        refused = _delete_objects(blobs, trash_keys, "delete", progress, catalog.forget_trash)
         _delete_objects(blobs, orphans, "orphans", progress)
         remove_temp_files(blobs, temps)
+    trash_keys = [k for k in trash_keys if k not in set(refused)]
 
     return GcReport(
         dry_run=dry_run,
@@ -337,10 +359,11 @@ def collect(
         chunks_freed=swept.chunks,
         chunk_bytes_freed=swept.chunk_bytes,
         packs_deleted=len(trash_keys),
-        pack_bytes_freed=trash_bytes,
+        pack_bytes_freed=stored_bytes(trash_keys),
         orphans_deleted=tuple(orphans),
         orphan_bytes_freed=orphan_bytes,
         temp_files_deleted=len(temps),
         grace=grace,
         seconds=time.perf_counter() - t0,
+        refused=tuple(refused),
     )
