@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conformance.blobstore import BlobStoreConformance
-from services import S3Server
+from services import AzuriteEmulator, GcsEmulator, S3Server
 
 from ckstore.blobstore import (
     S3_CONFIG_DEFAULTS,
@@ -67,6 +67,62 @@ class TestS3Multipart:
             buffer_limit=1024 * 1024,
             default_block_size=5 * 1024 * 1024,
             **s3_server.storage_options(),
+        )
+
+
+@pytest.mark.gcs
+class TestGcs(BlobStoreConformance):
+    """Google Cloud Storage (its emulator): small objects go up in one upload each."""
+
+    @pytest.fixture
+    def blobs(self, gcs_emulator: GcsEmulator, gcs_bucket: str) -> BlobStore:
+        return FsspecBlobStore(f"gs://{gcs_bucket}/store", **gcs_emulator.storage_options())
+
+
+@pytest.mark.gcs
+class TestGcsResumable:
+    """Past a small buffer limit, objects stream as resumable uploads, finalized on completion."""
+
+    large_size = 3 * 1024 * 1024 + 17
+    test_large_object = BlobStoreConformance.test_large_object
+    test_failed_large_writer_leaves_nothing = BlobStoreConformance.test_failed_large_writer_leaves_nothing
+    test_writer_streams_parts = BlobStoreConformance.test_writer_streams_parts
+
+    @pytest.fixture
+    def blobs(self, gcs_emulator: GcsEmulator, gcs_bucket: str) -> BlobStore:
+        return FsspecBlobStore(
+            f"gs://{gcs_bucket}/store",
+            buffer_limit=1024 * 1024,
+            block_size=512 * 1024,  # gcsfs sends resumable chunks of multiples of 256 KiB
+            **gcs_emulator.storage_options(),
+        )
+
+
+@pytest.mark.azure
+class TestAzure(BlobStoreConformance):
+    """Azure Blob Storage (Azurite): small objects go up in one upload each."""
+
+    @pytest.fixture
+    def blobs(self, azurite: AzuriteEmulator, az_container: str) -> BlobStore:
+        return FsspecBlobStore(f"az://{az_container}/store", **azurite.storage_options())
+
+
+@pytest.mark.azure
+class TestAzureBlocks:
+    """Past a small buffer limit, objects stream as staged blocks, committed on completion."""
+
+    large_size = 3 * 1024 * 1024 + 17
+    test_large_object = BlobStoreConformance.test_large_object
+    test_failed_large_writer_leaves_nothing = BlobStoreConformance.test_failed_large_writer_leaves_nothing
+    test_writer_streams_parts = BlobStoreConformance.test_writer_streams_parts
+
+    @pytest.fixture
+    def blobs(self, azurite: AzuriteEmulator, az_container: str) -> BlobStore:
+        return FsspecBlobStore(
+            f"az://{az_container}/store",
+            buffer_limit=1024 * 1024,
+            blocksize=512 * 1024,
+            **azurite.storage_options(),
         )
 
 

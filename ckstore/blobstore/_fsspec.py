@@ -220,7 +220,9 @@ class FsspecBlobStore(BlobStore):
         for path, info in sorted(found.items()):
             if info.get("type") == "directory":
                 continue
-            mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+            # gcsfs: mtime; s3fs: LastModified; adlfs: last_modified (whole seconds)
+            mtime = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+            mtime = mtime or info.get("created")
             ts: float | None
             if hasattr(mtime, "timestamp"):
                 ts = mtime.timestamp()
