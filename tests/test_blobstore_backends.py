@@ -13,6 +13,7 @@ from services import AzuriteEmulator, GcsEmulator, S3Server
 
 from ckstore.blobstore import (
     S3_CONFIG_DEFAULTS,
+    BlobNotFoundError,
     BlobStore,
     FsspecBlobStore,
     LocalBlobStore,
@@ -163,6 +164,42 @@ def test_s3_credentials_stay_out_of_errors(s3_server: S3Server) -> None:
     with pytest.raises(BlobStoreError) as info:
         blobs.put("k", b"1")
     assert opts["secret"] not in str(info.value) and opts["secret"] not in repr(blobs)
+
+
+@pytest.mark.gcs
+def test_gcs_missing_bucket_is_a_clear_error(gcs_emulator: GcsEmulator) -> None:
+    blobs = FsspecBlobStore("gs://no-such-bucket-ckstore/x", **gcs_emulator.storage_options())
+    for exclusive in (False, True):
+        with pytest.raises(BlobStoreError, match="create the bucket first"):
+            blobs.put("k", b"1", exclusive=exclusive)
+    assert list(blobs.list()) == []
+
+
+@pytest.mark.azure
+def test_azure_missing_container_is_a_clear_error(azurite: AzuriteEmulator) -> None:
+    blobs = FsspecBlobStore("az://no-such-container-ckstore/x", **azurite.storage_options())
+    for exclusive in (False, True):
+        with pytest.raises(BlobStoreError, match="create the bucket first"):
+            blobs.put("k", b"1", exclusive=exclusive)
+    with pytest.raises(BlobNotFoundError):
+        blobs.read("k")
+    assert list(blobs.list()) == []
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("gs", marks=pytest.mark.gcs), pytest.param("az", marks=pytest.mark.azure)]
+)
+def test_listings_report_modification_times(backend: str, request: pytest.FixtureRequest) -> None:
+    """gc removes an orphan only once it is older than the grace: it needs the listing's times."""
+    if backend == "gs":
+        emulator, bucket = request.getfixturevalue("gcs_emulator"), request.getfixturevalue("gcs_bucket")
+    else:
+        emulator, bucket = request.getfixturevalue("azurite"), request.getfixturevalue("az_container")
+    blobs = FsspecBlobStore(f"{backend}://{bucket}/store", **emulator.storage_options())
+    before = time.time()
+    blobs.put("packs/aa/1", b"x")
+    (info,) = blobs.list()
+    assert info.mtime is not None and before - 2 < info.mtime < time.time() + 2  # Azure: whole seconds
 
 
 def test_local_path_takes_no_storage_options(tmp_path: Path) -> None:
