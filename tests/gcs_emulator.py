@@ -1,10 +1,13 @@
-"""gcp-storage-emulator, serving in memory, with Google Cloud Storage's create-only precondition.
+"""gcp-storage-emulator, serving in memory, with two more of Google Cloud Storage's behaviours.
 
 ``python gcs_emulator.py HOST PORT`` runs the emulator (``pip install gcp-storage-emulator``)
-until it is terminated. The emulator ignores the ``ifGenerationMatch`` precondition, which GCS
-honours and gcsfs sends for exclusive writes (``pipe_file(..., mode="create")``): an upload with
-``ifGenerationMatch=0`` of a name that already exists gets ``412 Precondition Failed`` here, as it
-does from GCS. The emulator serves one request at a time, so the check and the write are one step.
+until it is terminated. Beyond the emulator, as GCS does:
+
+* an upload with the precondition ``ifGenerationMatch=0`` (gcsfs's exclusive write,
+  ``pipe_file(..., mode="create")``) of a name that already exists gets ``412 Precondition
+  Failed``; the emulator serves one request at a time, so the check and the write are one step;
+* ``DELETE`` of a resumable upload session cancels it (``499``), where the emulator answers
+  ``501``, which gcsfs retries for half a minute.
 """
 
 from __future__ import annotations
@@ -50,10 +53,29 @@ def _create_only(upload: Handler) -> Handler:
     return checked
 
 
+def _cancel_resumable_upload(request: Any, response: Any, storage: Any) -> None:
+    try:
+        storage.delete_resumable_file_obj(request.query["upload_id"][0])
+    except (KeyError, NotFound):
+        response.status = HTTPStatus.NOT_FOUND
+        return
+    response.status = _CANCELLED
+
+
+class _Cancelled:
+    value, phrase = 499, "Client Closed Request"
+
+
+_CANCELLED = _Cancelled()
+
 # insert() looks these up by name at every request
 objects._media_upload = _create_only(objects._media_upload)
 objects._multipart_upload = _create_only(objects._multipart_upload)
 objects._create_resumable_upload = _create_only(objects._create_resumable_upload)
+
+for _pattern, _handlers in server.HANDLERS:
+    if _handlers.get(server.PUT) is objects.upload_partial:
+        _handlers[server.DELETE] = _cancel_resumable_upload
 
 if __name__ == "__main__":
     host, port = sys.argv[1], int(sys.argv[2])

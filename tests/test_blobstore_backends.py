@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -71,6 +72,22 @@ class TestS3Multipart:
         )
 
 
+def _killed_upload_leaves_nothing_visible(blobs: BlobStore) -> None:
+    """A commit killed while streaming a large pack never finishes nor cancels its upload: GCS's
+    resumable session and Azure's staged blocks stay on the server, invisible to every listing
+    (so to fsck and gc), until the service drops them after a week."""
+    writing = blobs.writer("packs/ab/killed")
+    w = writing.__enter__()
+    w.write(os.urandom(3 * 1024 * 1024))
+    upload = w._f._f  # past buffer_limit: the fsspec file that streams the parts
+    assert upload is not None and upload.offset >= 1024 * 1024  # parts reached the server
+    assert list(blobs.list()) == [] and not blobs.exists("packs/ab/killed")
+    assert list(blobs.stale_temp_files(time.time() + 60)) == []
+    with pytest.raises(BlobNotFoundError):
+        blobs.read("packs/ab/killed")
+    writing.__exit__(RuntimeError, RuntimeError("killed"), None)  # this process lives on: cancel
+
+
 @pytest.mark.gcs
 class TestGcs(BlobStoreConformance):
     """Google Cloud Storage (its emulator): small objects go up in one upload each."""
@@ -88,6 +105,9 @@ class TestGcsResumable:
     test_large_object = BlobStoreConformance.test_large_object
     test_failed_large_writer_leaves_nothing = BlobStoreConformance.test_failed_large_writer_leaves_nothing
     test_writer_streams_parts = BlobStoreConformance.test_writer_streams_parts
+
+    def test_killed_upload_leaves_nothing_visible(self, blobs: BlobStore) -> None:
+        _killed_upload_leaves_nothing_visible(blobs)
 
     @pytest.fixture
     def blobs(self, gcs_emulator: GcsEmulator, gcs_bucket: str) -> BlobStore:
@@ -116,6 +136,9 @@ class TestAzureBlocks:
     test_large_object = BlobStoreConformance.test_large_object
     test_failed_large_writer_leaves_nothing = BlobStoreConformance.test_failed_large_writer_leaves_nothing
     test_writer_streams_parts = BlobStoreConformance.test_writer_streams_parts
+
+    def test_killed_upload_leaves_nothing_visible(self, blobs: BlobStore) -> None:
+        _killed_upload_leaves_nothing_visible(blobs)
 
     @pytest.fixture
     def blobs(self, azurite: AzuriteEmulator, az_container: str) -> BlobStore:
