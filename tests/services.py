@@ -478,7 +478,7 @@ def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteEmulato
     """An Azurite blob service shared by the session's tests (make a container of your own)."""
     exe = _azurite_executable()
     if exe is None:
-        unavailable("azurite-blob is not installed (scripts/setup installs it into .cache/node)")
+        unavailable("azurite-blob or Node.js is not installed (scripts/setup installs Azurite into .cache/node)")
     try:
         import adlfs  # noqa: F401
     except ImportError:
