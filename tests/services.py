@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import pytest
@@ -354,3 +354,157 @@ def private_s3_server(tmp_path: Path) -> Iterator[S3Server]:
         yield server
     finally:
         server.stop()
+
+
+# -- Google Cloud Storage (gcp-storage-emulator) and Azure Blob Storage (Azurite) emulators ----------
+#: the Azure storage emulator's documented development account (not a secret)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+REPO = Path(__file__).resolve().parent.parent
+# gcsfs's default class first probes every bucket over gRPC (for zonal and hierarchical buckets),
+# which an emulator does not answer: 60 s per call. Read when gcsfs is imported, so set it now.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+@dataclass
+class Emulator:
+    """An object store emulator process on loopback."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+E = TypeVar("E", bound=Emulator)
+
+
+def _start_emulator(kind: type[E], name: str, cmd: list[str], port: int, log: Path, timeout: float = 60) -> E:
+    """Start ``cmd`` and wait until it answers HTTP on ``port`` (any status), at most ``timeout`` s."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    emulator = kind(proc, port, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            unavailable(f"{name} exited at start: {log.read_text(errors='replace')[-1000:]}")
+        try:
+            urllib.request.urlopen(emulator.endpoint + "/", timeout=2).close()
+            return emulator
+        except urllib.error.HTTPError:
+            return emulator  # it answers
+        except OSError:
+            time.sleep(0.1)
+    emulator.stop()
+    unavailable(f"{name} did not answer on port {port} within {timeout:.0f} s")
+    raise AssertionError("unreachable")
+
+
+class GcsEmulator(Emulator):
+    """gcp-storage-emulator (in memory, with GCS's create-only precondition: tests/gcs_emulator.py)."""
+
+    def storage_options(self) -> dict[str, Any]:
+        """gcsfs options for this emulator (as ``STORAGE_EMULATOR_HOST`` and ``token="anon"``)."""
+        return {"endpoint_url": self.endpoint, "token": "anon", "project": "ckstore-test"}
+
+    def make_bucket(self) -> str:
+        import gcsfs
+
+        name = f"ckstore-{uuid.uuid4().hex[:16]}"
+        gcsfs.GCSFileSystem(skip_instance_cache=True, **self.storage_options()).mkdir(name)
+        return name
+
+
+class AzuriteEmulator(Emulator):
+    """Azurite's blob service."""
+
+    @property
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint={self.endpoint}/{AZURITE_ACCOUNT};"
+        )
+
+    def storage_options(self) -> dict[str, Any]:
+        """adlfs options for this emulator (as ``AZURE_STORAGE_CONNECTION_STRING``)."""
+        return {"connection_string": self.connection_string}
+
+    def make_container(self) -> str:
+        from azure.storage.blob import BlobServiceClient
+
+        name = f"ckstore-{uuid.uuid4().hex[:16]}"
+        with BlobServiceClient.from_connection_string(self.connection_string) as client:
+            client.create_container(name)
+        return name
+
+
+def _azurite_executable() -> str | None:
+    local = REPO / ".cache" / "node" / "node_modules" / ".bin" / "azurite-blob"  # scripts/setup
+    if local.is_file() and shutil.which("node"):
+        return str(local)
+    return shutil.which("azurite-blob")
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    """A GCS emulator shared by the session's tests (make a bucket of your own)."""
+    try:
+        import gcp_storage_emulator  # noqa: F401
+        import gcsfs
+    except ImportError as e:
+        unavailable(f"{e.name} is not installed (pip install gcp-storage-emulator gcsfs)")
+    if gcsfs.GCSFileSystem is not gcsfs.core.GCSFileSystem:
+        unavailable("gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set")
+    port = free_port()
+    log = tmp_path_factory.mktemp("gcs") / "emulator.log"
+    cmd = [sys.executable, str(Path(__file__).with_name("gcs_emulator.py")), "127.0.0.1", str(port)]
+    emulator = _start_emulator(GcsEmulator, "gcp-storage-emulator", cmd, port, log)
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: GcsEmulator) -> str:
+    """A fresh, empty bucket on the session's GCS emulator."""
+    return gcs_emulator.make_bucket()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteEmulator]:
+    """An Azurite blob service shared by the session's tests (make a container of your own)."""
+    exe = _azurite_executable()
+    if exe is None:
+        unavailable("azurite-blob or Node.js is not installed (scripts/setup installs Azurite into .cache/node)")
+    try:
+        import adlfs  # noqa: F401
+    except ImportError:
+        unavailable("adlfs is not installed (pip install 'ckstore[azure]')")
+    port = free_port()
+    base = tmp_path_factory.mktemp("azurite")
+    cmd = [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(base / "data")]
+    cmd += ["--silent", "--skipApiVersionCheck", "--disableTelemetry"]
+    emulator = _start_emulator(AzuriteEmulator, "azurite-blob", cmd, port, base / "azurite.log")
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+@pytest.fixture
+def az_container(azurite: AzuriteEmulator) -> str:
+    """A fresh, empty container on the session's Azurite."""
+    return azurite.make_container()

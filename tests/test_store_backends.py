@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from conformance import STORE_SUITES, StoreSpec
-from services import S3Server
+from services import AzuriteEmulator, GcsEmulator, S3Server
 
 
 class TestSQLite(*STORE_SUITES):  # type: ignore[misc]
@@ -35,3 +35,23 @@ class TestS3Postgres(*STORE_SUITES):  # type: ignore[misc]
     @pytest.fixture
     def spec(self, s3_server: S3Server, s3_bucket: str, pg_catalog_url: str) -> StoreSpec:
         return StoreSpec(f"s3://{s3_bucket}/{uuid.uuid4().hex[:8]}", pg_catalog_url, s3_server.storage_options())
+
+
+@pytest.mark.postgres
+@pytest.mark.gcs
+class TestGcsPostgres(*STORE_SUITES):  # type: ignore[misc]
+    """A Google Cloud Storage bucket (its emulator) with a PostgreSQL catalog."""
+
+    @pytest.fixture
+    def spec(self, gcs_emulator: GcsEmulator, gcs_bucket: str, pg_catalog_url: str) -> StoreSpec:
+        return StoreSpec(f"gs://{gcs_bucket}/{uuid.uuid4().hex[:8]}", pg_catalog_url, gcs_emulator.storage_options())
+
+
+@pytest.mark.postgres
+@pytest.mark.azure
+class TestAzurePostgres(*STORE_SUITES):  # type: ignore[misc]
+    """An Azure Blob Storage container (Azurite) with a PostgreSQL catalog."""
+
+    @pytest.fixture
+    def spec(self, azurite: AzuriteEmulator, az_container: str, pg_catalog_url: str) -> StoreSpec:
+        return StoreSpec(f"az://{az_container}/{uuid.uuid4().hex[:8]}", pg_catalog_url, azurite.storage_options())

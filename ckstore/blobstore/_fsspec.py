@@ -47,6 +47,17 @@ def _with_defaults(protocol: str, storage_options: dict[str, Any]) -> dict[str, 
     return opts
 
 
+def _missing_as_file_not_found(fn: Callable[[], T]) -> T:
+    """``fn()``; adlfs lets azure-core's ``ResourceNotFoundError`` (a missing container) through
+    where the other backends raise ``FileNotFoundError``."""
+    try:
+        return fn()
+    except Exception as e:
+        if type(e).__name__ == "ResourceNotFoundError":
+            raise FileNotFoundError(str(e).splitlines()[0]) from e
+        raise
+
+
 class _ObjectWriter:
     """One new object: bytes are buffered and put in one request; past ``limit`` bytes they
     stream into an upload (S3 multipart) that becomes visible only when completed."""
@@ -148,7 +159,8 @@ class FsspecBlobStore(BlobStore):
     def _call(self, what: str, fn: Callable[[], T], key: str | None = None) -> T:
         """``fn`` under the retry loop; a missing object or bucket becomes a clear error."""
         try:
-            return retry(f"{what} in {self.url}", fn, attempts=self.attempts)
+            plain = lambda: _missing_as_file_not_found(fn)  # noqa: E731
+            return retry(f"{what} in {self.url}", plain, attempts=self.attempts)
         except FileNotFoundError as e:
             if key is None:
                 raise
@@ -220,7 +232,9 @@ class FsspecBlobStore(BlobStore):
         for path, info in sorted(found.items()):
             if info.get("type") == "directory":
                 continue
-            mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+            # gcsfs: mtime; s3fs: LastModified; adlfs: last_modified (whole seconds)
+            mtime = info.get("mtime") or info.get("LastModified") or info.get("last_modified")
+            mtime = mtime or info.get("created")
             ts: float | None
             if hasattr(mtime, "timestamp"):
                 ts = mtime.timestamp()
