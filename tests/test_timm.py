@@ -304,3 +304,34 @@ def test_the_store_holds_what_the_saver_keeps(
     assert sorted(_epoch_refs(store).get("epoch", [])) == sorted(want)
     assert store.resolve("last").metrics["epoch"] == last
     assert len(_epoch_refs(store).get("recovery", [])) == min(2, len(metrics) // 2)
+
+
+def _ddp_job(rank: int, init: str, root: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        store = ckstore.open(Path(root) / "store", run="ddp")
+        if rank == 0:  # as timm's train.py: only the primary rank has a saver
+            saver = cktimm.CheckpointSaver(model, opt, max_history=1, store=store)
+            for epoch in range(3):
+                saver.save_checkpoint(epoch, float(epoch))
+        dist.barrier()
+        fresh = torch.nn.Linear(4, 2)
+        assert cktimm.resume_checkpoint(fresh, store, "model_best") == 3  # every rank reads rank 0's entries
+        assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.module.state_dict().values()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_only_the_primary_rank_saves_in_a_ddp_job(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_job, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
+    store = ckstore.open(tmp_path / "store", run="ddp")
+    assert [(c.kind, c.metrics["epoch"], c.ranks) for c in store.checkpoints("ddp")] == [("epoch", 2.0, (0,))]
