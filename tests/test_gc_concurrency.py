@@ -10,8 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ import ckstore
 from ckstore.retention import BestN, LatestN
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN = os.environ.get("CKSTORE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 # the states every process derives from a step number
 STATES = """
@@ -75,22 +72,6 @@ def assert_clean(s: ckstore.Store) -> None:
     assert rep.ok, [d.describe() for d in rep.damage]
     assert not rep.orphans and not rep.temp_files and not rep.pending
     assert rep.trash == 0 and rep.unreferenced_chunks == 0
-
-
-@pytest.fixture
-def pg_catalog() -> Iterator[str]:
-    psycopg = pytest.importorskip("psycopg")
-    name = f"ckstore_gc_{uuid.uuid4().hex[:10]}"
-    try:
-        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN}: {e}")
-    admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
 
 
 def _commits_against_gc(path: Path, catalog: str | None) -> None:
@@ -189,8 +170,8 @@ def test_gc_loop_beside_a_commit_loop_keeps_every_listed_checkpoint(tmp_path: Pa
 
 
 @pytest.mark.postgres
-def test_gc_loop_beside_a_commit_loop_on_postgres(tmp_path: Path, pg_catalog: str) -> None:
-    _commits_against_gc(tmp_path / "store", pg_catalog)
+def test_gc_loop_beside_a_commit_loop_on_postgres(tmp_path: Path, pg_catalog_url: str) -> None:
+    _commits_against_gc(tmp_path / "store", pg_catalog_url)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
