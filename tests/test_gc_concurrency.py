@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +36,34 @@ exec(STATES, _ns)  # noqa: S102 - the very source the child processes run
 state, val_loss = _ns["state"], _ns["val_loss"]
 
 
+# a child stops at a chosen point by announcing it and waiting for a line the test never sends
+STOP_HERE = """
+def stop_here(what):
+    print("stopped", what, flush=True)
+    sys.stdin.readline()
+"""
+
+
 def spawn(body: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    script = STATES + "\nimport ckstore, os, sys, json\n" + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    script = STATES + "\nimport ckstore, os, sys, json\n" + STOP_HERE + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_line(p: subprocess.Popen[str], want: str) -> str:
+    """The child's next line of output, which must start with ``want``."""
+    assert p.stdout is not None
+    line = p.stdout.readline().strip()
+    if not line.startswith(want):
+        p.kill()
+        raise AssertionError(f"child said {line!r}, not {want!r}: {p.stderr.read() if p.stderr else ''}")
+    return line
 
 
 def wait_ready(*procs: subprocess.Popen[str]) -> None:
     for p in procs:
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
-        if line != "ready":
-            p.kill()
-            raise AssertionError(
-                f"child did not start: {line!r} {p.stderr.read() if p.stderr else ''}"
-            )
+        wait_line(p, "ready")
 
 
 def pack_bytes(path: Path) -> int:
@@ -90,14 +101,17 @@ def _commits_against_gc(path: Path, catalog: str | None) -> None:
         print("ready", flush=True)
         seen = -1
         for step in range({n}):
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
+            deadline = time.monotonic() + 240  # only a guard against a dead collector
+            while True:  # wait for the collector's next gc run (a file it writes)
                 runs = int(beat.read_text() or -1) if beat.exists() else -1
                 if runs > seen:
                     break
+                if time.monotonic() > deadline:
+                    sys.exit("the collector stopped running gc")
                 time.sleep(0.01)
             seen = runs
             s.commit(step, {{0: state(step)}}, {{"val_loss": val_loss(step)}})
+            print("committed", step, flush=True)
         """
     )
     collector = spawn(
@@ -122,13 +136,12 @@ def _commits_against_gc(path: Path, catalog: str | None) -> None:
     )
     try:
         wait_ready(committer, collector)
+        wait_line(committer, "committed 0")  # from here on the store lists a checkpoint
         reads = 0
         rng = random.Random(0)
         while committer.poll() is None:  # read while both write
             ckpts = s.checkpoints()
-            if not ckpts:
-                time.sleep(0.05)
-                continue
+            assert ckpts  # gc never drops a run's latest checkpoint
             ck = rng.choice(ckpts)
             try:
                 out = s.load(ck)
@@ -174,20 +187,35 @@ def test_gc_loop_beside_a_commit_loop_on_postgres(tmp_path: Path, pg_catalog_url
     _commits_against_gc(tmp_path / "store", pg_catalog_url)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> None:
+# where the collector stops, to be killed: after listing the packs (before its catalog
+# transaction), after the transaction but before the first object is deleted, after a batch of
+# objects is deleted but before the rest
+GC_POINTS = ("after-list", "before-delete", "after-delete")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])  # one per gc point; the seed picks the commit's
+def test_sigkill_commit_and_gc_at_chosen_points(tmp_path: Path, seed: int) -> None:
+    """Both processes stop at a point the seed picks (a commit mid-write, a gc mid-sweep), the
+    test checks each is in flight there, then SIGKILLs them in the seed's order."""
     rng = random.Random(seed)
+    commit_at = (5 + rng.randrange(3), 1 + rng.randrange(3))  # (step, progress call)
+    gc_at = GC_POINTS[seed % len(GC_POINTS)]
     path = tmp_path / "store"
     s = ckstore.open(path, run="r", chunk_size=64 * 1024, pack_size=256 * 1024)
-    for step in range(3):
+    for step in range(5):  # gc's first run drops three, and deletes the packs of two
         s.commit(step, {0: state(step)})
     committer = spawn(
         f"""
         s = ckstore.open({str(path)!r}, run="r")
         print("ready", flush=True)
-        step = 3
+        step = 5
         while True:
-            s.commit(step, {{0: state(step)}})
+            calls = [0]
+            def progress(done, total, step=step):
+                calls[0] += 1
+                if (step, calls[0]) == {commit_at!r}:
+                    stop_here(f"commit {{step}} call {{calls[0]}}")
+            s.commit(step, {{0: state(step)}}, progress=progress)
             step += 1
         """
     )
@@ -195,6 +223,23 @@ def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> No
         f"""
         from ckstore.retention import LatestN
         s = ckstore.open({str(path)!r})
+        point = {gc_at!r}
+        blobs = s.blobs
+        list_, delete = blobs.list, blobs.delete
+        def listing(prefix=""):
+            found = list(list_(prefix))
+            if point == "after-list":
+                stop_here(point)
+            return iter(found)
+        def deleting(keys):
+            keys = list(keys)
+            if keys and point == "before-delete":
+                stop_here(point)
+            n = delete(keys)
+            if keys and point == "after-delete":
+                stop_here(point)
+            return n
+        blobs.list, blobs.delete = listing, deleting
         print("ready", flush=True)
         while True:
             s.gc(LatestN(2), grace=60)
@@ -203,14 +248,16 @@ def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> No
     procs = [committer, collector]
     try:
         wait_ready(*procs)
+        wait_line(committer, f"stopped commit {commit_at[0]} call {commit_at[1]}")
+        wait_line(collector, f"stopped {gc_at}")
+        # the commit is in flight: its claim is recorded, and it is not visible
+        assert [(run, step) for _, run, step, _, _ in s.catalog.pending()] == [("r", commit_at[0])]
+        assert commit_at[0] not in [c.step for c in s.checkpoints()]
         rng.shuffle(procs)
-        time.sleep(rng.uniform(0.2, 1.2))
-        os.kill(procs[0].pid, signal.SIGKILL)
-        procs[0].wait()
-        time.sleep(rng.uniform(0.0, 0.5))
-        assert procs[1].poll() is None, procs[1].stderr.read() if procs[1].stderr else ""
-        os.kill(procs[1].pid, signal.SIGKILL)
-        procs[1].wait()
+        for p in procs:
+            assert p.poll() is None, p.stderr.read() if p.stderr else ""
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -220,10 +267,10 @@ def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> No
     rep = s.fsck(deep=True)  # whatever the kills interrupted, no kept checkpoint is damaged
     assert rep.ok, [d.describe() for d in rep.damage]
     steps = check_every_checkpoint(s)
-    assert steps[-1] >= 2 and len(steps) >= 2
+    assert steps[-1] == commit_at[0] - 1 and len(steps) >= 2
     report = s.gc(LatestN(2), grace=0)  # the next gc finishes the cleaning
-    assert all("is gone" in r.why for r in report.reaped)
+    assert [(r.step, "is gone" in r.why) for r in report.reaped] == [(commit_at[0], True)]
     assert check_every_checkpoint(s) == steps[-2:]
     assert_clean(s)
-    s.commit(steps[-1] + 1, {0: state(steps[-1] + 1)})  # and the store takes commits again
-    assert_same(s.checkout("latest")[0], state(steps[-1] + 1))
+    s.commit(commit_at[0], {0: state(commit_at[0])})  # the killed step commits again
+    assert_same(s.checkout("latest")[0], state(commit_at[0]))
