@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers import assert_same
+from services import S3Server
 
 import ckstore
 from ckstore.retention import BestN, LatestN
@@ -274,3 +275,108 @@ def test_sigkill_commit_and_gc_at_chosen_points(tmp_path: Path, seed: int) -> No
     assert_clean(s)
     s.commit(commit_at[0], {0: state(commit_at[0])})  # the killed step commits again
     assert_same(s.checkout("latest")[0], state(commit_at[0]))
+
+
+# -- gc with no grace beside commits, one of them stalled mid-write -----------------------------
+def _race_with_a_stalled_commit(location: str, catalog: str | None, options: dict[str, Any] | None,
+                                tmp: Path) -> None:  # fmt: skip
+    """gc runs back to back with grace 0 and a 1 s lease, unthrottled, beside a committer running
+    flat out, while a third process's commit stalls mid-write (in its progress callback, until a
+    file appears). That commit claimed the chunks of step 0 before it stalled; the test releases
+    it only once gc has dropped step 0 (and swept everything else it could) meanwhile. The stalled
+    commit then completes, bit-exact, and the store is clean."""
+    n = 6
+    opened = f"ckstore.open({location!r}, catalog={catalog!r}, storage_options={options!r}"
+    s = eval(opened + ', run="train", chunk_size=64 * 1024, pack_size=256 * 1024, lease_seconds=1.0)')  # noqa: S307
+    assert s.config.lease_seconds == 1.0
+    s.commit(0, {0: state(0)}, {"val_loss": val_loss(0)})
+    release, stop = tmp / "release", tmp / "stop"
+    # step 0's tensors (already stored: claimed, not written) plus a tensor of its own to write
+    side = "{**state(0), 'extra': {'x': torch.randn(300_000, generator=torch.Generator().manual_seed(99))}}"
+    stalled = spawn(
+        f"""
+        import time
+        s = {opened}, run="side")
+        print("ready", flush=True)
+        def progress(done, total, first=[True]):
+            if first[0]:
+                first[0] = False
+                print("stalled", flush=True)
+                while not os.path.exists({str(release)!r}):  # the event: a file the test creates
+                    time.sleep(0.01)
+        ck = s.commit(0, {{0: {side}}}, progress=progress)
+        print("committed", ck.step, flush=True)
+        """
+    )
+    committer = spawn(
+        f"""
+        s = {opened}, run="train")
+        print("ready", flush=True)
+        for step in range(1, {n}):
+            s.commit(step, {{0: state(step)}}, {{"val_loss": val_loss(step)}})
+            print("committed", step, flush=True)
+        """
+    )
+    collector = spawn(
+        f"""
+        from ckstore.retention import LatestN
+        s = {opened})
+        print("ready", flush=True)
+        while not os.path.exists({str(stop)!r}):
+            r = s.gc(LatestN(2), run="train", grace=0)
+            print("gc", json.dumps([r.dropped, len(r.reaped), r.packs_deleted, r.orphans_deleted]), flush=True)
+        """
+    )
+    procs = [stalled, committer, collector]
+    try:
+        wait_ready(*procs)
+        wait_line(stalled, "stalled")  # mid-write, its claim recorded
+        assert ("side", 0) in [(run, step) for _, run, step, _, _ in s.catalog.pending()]
+        # the collector drops step 0 (whose chunks only the stalled commit still needs) and keeps
+        # going; the committer commits beside it, unthrottled
+        dropped: list[str] = []
+        packs_deleted = 0
+        while "train@0" not in dropped or packs_deleted == 0:
+            runs = json.loads(wait_line(collector, "gc").split(" ", 1)[1])
+            assert runs[1] == 0, "gc reaped the stalled commit, which is alive"
+            dropped += runs[0]
+            packs_deleted += runs[2]
+        more = [json.loads(wait_line(collector, "gc").split(" ", 1)[1]) for _ in range(2)]  # two more full runs
+        assert all(r[1] == 0 for r in more)
+        release.touch()
+        assert wait_line(stalled, "committed") == "committed 0"
+        assert stalled.wait(120) == 0, stalled.stderr.read() if stalled.stderr else ""
+        assert committer.wait(240) == 0, committer.stderr.read() if committer.stderr else ""
+        stop.touch()
+        assert collector.wait(120) == 0, collector.stderr.read() if collector.stderr else ""
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    import torch
+
+    want = {**state(0), "extra": {"x": torch.randn(300_000, generator=torch.Generator().manual_seed(99))}}
+    assert_same(s.checkout("side@0")[0], want)
+    s.gc(grace=0)
+    assert sorted(c.ref for c in s.checkpoints()) == ["side@0", f"train@{n - 2}", f"train@{n - 1}"]
+    assert_same(s.checkout("side@0")[0], want)
+    for step in (n - 2, n - 1):
+        assert_same(s.checkout(f"train@{step}")[0], state(step))
+    assert_clean(s)
+    s.close()
+
+
+@pytest.mark.slow
+def test_gc_without_grace_beside_commits_and_a_stalled_one(tmp_path: Path) -> None:
+    _race_with_a_stalled_commit(str(tmp_path / "store"), None, None, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_gc_without_grace_beside_commits_and_a_stalled_one_on_s3_and_postgres(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str, pg_catalog_url: str
+) -> None:
+    _race_with_a_stalled_commit(f"s3://{s3_bucket}/store", pg_catalog_url, s3_server.storage_options(), tmp_path)
