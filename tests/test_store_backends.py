@@ -35,3 +35,11 @@ class TestS3Postgres(*STORE_SUITES):  # type: ignore[misc]
     @pytest.fixture
     def spec(self, s3_server: S3Server, s3_bucket: str, pg_catalog_url: str) -> StoreSpec:
         return StoreSpec(f"s3://{s3_bucket}/{uuid.uuid4().hex[:8]}", pg_catalog_url, s3_server.storage_options())
+
+
+class TestMemory(*STORE_SUITES):  # type: ignore[misc]
+    """fsspec's in-memory file system with a SQLite catalog: a whole store inside one process."""
+
+    @pytest.fixture
+    def spec(self, tmp_path: Path) -> StoreSpec:
+        return StoreSpec(f"memory://ckstore-{uuid.uuid4().hex[:12]}/store", f"sqlite:///{tmp_path / 'catalog.db'}")
