@@ -22,6 +22,15 @@ def _run(*args: str) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
+def _row(table: str, first: str) -> list[str]:
+    """The cells of the row of a rendered table whose first cell is ``first``."""
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").replace("┃", "│").split("│")]
+        if cells and cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in:\n{table}")
+
+
 def test_init_log_show_tag(tmp_path: Path) -> None:
     loc = str(tmp_path / "s")
     code, out = _run("init", loc, "--chunk-size", "65536")
@@ -33,9 +42,13 @@ def test_init_log_show_tag(tmp_path: Path) -> None:
     s.commit(20, {0: {"model_states": {"layer.weight": torch.randn(4, 4)}}}, {"val_loss": 0.25}, kind="epoch")
 
     code, out = _run("--store", loc, "runs")
-    assert code == 0 and "exp" in out
+    assert code == 0 and _row(out, "exp")[:3] == ["exp", "2", "20"]
+    code, out = _run("--store", loc, "runs", "--json")
+    assert [(r["name"], r["checkpoints"], r["latest_step"]) for r in json.loads(out)] == [("exp", 2, 20)]
     code, out = _run("--store", loc, "log", "exp")
-    assert code == 0 and "val_loss" in out and "first" in out and "epoch" in out
+    assert code == 0 and "val_loss" in _row(out, "step")
+    assert [c for c in _row(out, "10") if c in ("checkpoint", "0.5", "first")] == ["checkpoint", "0.5", "first"]
+    assert [c for c in _row(out, "20") if c in ("epoch", "0.25")] == ["epoch", "0.25"]
     code, out = _run("--store", loc, "log", "--json")
     rows = json.loads(out)
     assert [r["step"] for r in rows] == [10, 20] and rows[1]["metrics"] == {"val_loss": 0.25}
@@ -45,8 +58,12 @@ def test_init_log_show_tag(tmp_path: Path) -> None:
     assert json.loads(out)["checkpoint"]["step"] == 10
     code, out = _run("--store", loc, "tag", "exp@20", "best")
     assert code == 0 and "tagged exp@20 as best" in out
+    assert s.resolve("best").step == 20
     code, out = _run("--store", loc, "untag", "exp@best")
-    assert code == 0
+    assert code == 0 and "removed tag exp@best" in out
+    assert s.resolve(20).tags == ()  # the tag is gone from the catalog, the checkpoint stays
+    code, out = _run("--store", loc, "show", "best")
+    assert code == 2 and "no checkpoint tagged 'best'" in out
     code, out = _run("--store", loc, "show", "nosuchtag")
     assert code == 2 and "CheckpointNotFoundError" in out
 
@@ -54,8 +71,9 @@ def test_init_log_show_tag(tmp_path: Path) -> None:
 def test_store_from_environment_and_missing_store(tmp_path: Path) -> None:
     loc = str(tmp_path / "s")
     ckstore.open(loc, run="e").commit(1, {0: {"m": {"w": torch.ones(1)}}})
-    res = CliRunner().invoke(main, ["log"], env={"CKSTORE_STORE": loc})
-    assert res.exit_code == 0 and "e" in res.output
+    res = CliRunner().invoke(main, ["log", "--json"], env={"CKSTORE_STORE": loc})
+    assert res.exit_code == 0, res.output
+    assert [(r["run"], r["step"]) for r in json.loads(res.output)] == [("e", 1)]
     res = CliRunner().invoke(main, ["log"])
     assert res.exit_code == 2 and "--store" in res.output
     res = CliRunner().invoke(main, ["--store", str(tmp_path / "none"), "log"])

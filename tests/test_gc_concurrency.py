@@ -9,20 +9,17 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import assert_same
+from services import S3Server
 
 import ckstore
 from ckstore.retention import BestN, LatestN
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN = os.environ.get("CKSTORE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 # the states every process derives from a step number
 STATES = """
@@ -40,22 +37,34 @@ exec(STATES, _ns)  # noqa: S102 - the very source the child processes run
 state, val_loss = _ns["state"], _ns["val_loss"]
 
 
+# a child stops at a chosen point by announcing it and waiting for a line the test never sends
+STOP_HERE = """
+def stop_here(what):
+    print("stopped", what, flush=True)
+    sys.stdin.readline()
+"""
+
+
 def spawn(body: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    script = STATES + "\nimport ckstore, os, sys, json\n" + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    script = STATES + "\nimport ckstore, os, sys, json\n" + STOP_HERE + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_line(p: subprocess.Popen[str], want: str) -> str:
+    """The child's next line of output, which must start with ``want``."""
+    assert p.stdout is not None
+    line = p.stdout.readline().strip()
+    if not line.startswith(want):
+        p.kill()
+        raise AssertionError(f"child said {line!r}, not {want!r}: {p.stderr.read() if p.stderr else ''}")
+    return line
 
 
 def wait_ready(*procs: subprocess.Popen[str]) -> None:
     for p in procs:
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
-        if line != "ready":
-            p.kill()
-            raise AssertionError(
-                f"child did not start: {line!r} {p.stderr.read() if p.stderr else ''}"
-            )
+        wait_line(p, "ready")
 
 
 def pack_bytes(path: Path) -> int:
@@ -77,22 +86,6 @@ def assert_clean(s: ckstore.Store) -> None:
     assert rep.trash == 0 and rep.unreferenced_chunks == 0
 
 
-@pytest.fixture
-def pg_catalog() -> Iterator[str]:
-    psycopg = pytest.importorskip("psycopg")
-    name = f"ckstore_gc_{uuid.uuid4().hex[:10]}"
-    try:
-        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN}: {e}")
-    admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
-
-
 def _commits_against_gc(path: Path, catalog: str | None) -> None:
     n = 20
     s = ckstore.open(path, catalog=catalog, chunk_size=64 * 1024, pack_size=1024 * 1024)
@@ -109,14 +102,17 @@ def _commits_against_gc(path: Path, catalog: str | None) -> None:
         print("ready", flush=True)
         seen = -1
         for step in range({n}):
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
+            deadline = time.monotonic() + 240  # only a guard against a dead collector
+            while True:  # wait for the collector's next gc run (a file it writes)
                 runs = int(beat.read_text() or -1) if beat.exists() else -1
                 if runs > seen:
                     break
+                if time.monotonic() > deadline:
+                    sys.exit("the collector stopped running gc")
                 time.sleep(0.01)
             seen = runs
             s.commit(step, {{0: state(step)}}, {{"val_loss": val_loss(step)}})
+            print("committed", step, flush=True)
         """
     )
     collector = spawn(
@@ -141,13 +137,12 @@ def _commits_against_gc(path: Path, catalog: str | None) -> None:
     )
     try:
         wait_ready(committer, collector)
+        wait_line(committer, "committed 0")  # from here on the store lists a checkpoint
         reads = 0
         rng = random.Random(0)
         while committer.poll() is None:  # read while both write
             ckpts = s.checkpoints()
-            if not ckpts:
-                time.sleep(0.05)
-                continue
+            assert ckpts  # gc never drops a run's latest checkpoint
             ck = rng.choice(ckpts)
             try:
                 out = s.load(ck)
@@ -189,24 +184,39 @@ def test_gc_loop_beside_a_commit_loop_keeps_every_listed_checkpoint(tmp_path: Pa
 
 
 @pytest.mark.postgres
-def test_gc_loop_beside_a_commit_loop_on_postgres(tmp_path: Path, pg_catalog: str) -> None:
-    _commits_against_gc(tmp_path / "store", pg_catalog)
+def test_gc_loop_beside_a_commit_loop_on_postgres(tmp_path: Path, pg_catalog_url: str) -> None:
+    _commits_against_gc(tmp_path / "store", pg_catalog_url)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> None:
+# where the collector stops, to be killed: after listing the packs (before its catalog
+# transaction), after the transaction but before the first object is deleted, after a batch of
+# objects is deleted but before the rest
+GC_POINTS = ("after-list", "before-delete", "after-delete")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])  # one per gc point; the seed picks the commit's
+def test_sigkill_commit_and_gc_at_chosen_points(tmp_path: Path, seed: int) -> None:
+    """Both processes stop at a point the seed picks (a commit mid-write, a gc mid-sweep), the
+    test checks each is in flight there, then SIGKILLs them in the seed's order."""
     rng = random.Random(seed)
+    commit_at = (5 + rng.randrange(3), 1 + rng.randrange(3))  # (step, progress call)
+    gc_at = GC_POINTS[seed % len(GC_POINTS)]
     path = tmp_path / "store"
     s = ckstore.open(path, run="r", chunk_size=64 * 1024, pack_size=256 * 1024)
-    for step in range(3):
+    for step in range(5):  # gc's first run drops three, and deletes the packs of two
         s.commit(step, {0: state(step)})
     committer = spawn(
         f"""
         s = ckstore.open({str(path)!r}, run="r")
         print("ready", flush=True)
-        step = 3
+        step = 5
         while True:
-            s.commit(step, {{0: state(step)}})
+            calls = [0]
+            def progress(done, total, step=step):
+                calls[0] += 1
+                if (step, calls[0]) == {commit_at!r}:
+                    stop_here(f"commit {{step}} call {{calls[0]}}")
+            s.commit(step, {{0: state(step)}}, progress=progress)
             step += 1
         """
     )
@@ -214,6 +224,23 @@ def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> No
         f"""
         from ckstore.retention import LatestN
         s = ckstore.open({str(path)!r})
+        point = {gc_at!r}
+        blobs = s.blobs
+        list_, delete = blobs.list, blobs.delete
+        def listing(prefix=""):
+            found = list(list_(prefix))
+            if point == "after-list":
+                stop_here(point)
+            return iter(found)
+        def deleting(keys):
+            keys = list(keys)
+            if keys and point == "before-delete":
+                stop_here(point)
+            n = delete(keys)
+            if keys and point == "after-delete":
+                stop_here(point)
+            return n
+        blobs.list, blobs.delete = listing, deleting
         print("ready", flush=True)
         while True:
             s.gc(LatestN(2), grace=60)
@@ -222,14 +249,16 @@ def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> No
     procs = [committer, collector]
     try:
         wait_ready(*procs)
+        wait_line(committer, f"stopped commit {commit_at[0]} call {commit_at[1]}")
+        wait_line(collector, f"stopped {gc_at}")
+        # the commit is in flight: its claim is recorded, and it is not visible
+        assert [(run, step) for _, run, step, _, _ in s.catalog.pending()] == [("r", commit_at[0])]
+        assert commit_at[0] not in [c.step for c in s.checkpoints()]
         rng.shuffle(procs)
-        time.sleep(rng.uniform(0.2, 1.2))
-        os.kill(procs[0].pid, signal.SIGKILL)
-        procs[0].wait()
-        time.sleep(rng.uniform(0.0, 0.5))
-        assert procs[1].poll() is None, procs[1].stderr.read() if procs[1].stderr else ""
-        os.kill(procs[1].pid, signal.SIGKILL)
-        procs[1].wait()
+        for p in procs:
+            assert p.poll() is None, p.stderr.read() if p.stderr else ""
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -239,10 +268,115 @@ def test_sigkill_commit_and_gc_at_random_points(tmp_path: Path, seed: int) -> No
     rep = s.fsck(deep=True)  # whatever the kills interrupted, no kept checkpoint is damaged
     assert rep.ok, [d.describe() for d in rep.damage]
     steps = check_every_checkpoint(s)
-    assert steps[-1] >= 2 and len(steps) >= 2
+    assert steps[-1] == commit_at[0] - 1 and len(steps) >= 2
     report = s.gc(LatestN(2), grace=0)  # the next gc finishes the cleaning
-    assert all("is gone" in r.why for r in report.reaped)
+    assert [(r.step, "is gone" in r.why) for r in report.reaped] == [(commit_at[0], True)]
     assert check_every_checkpoint(s) == steps[-2:]
     assert_clean(s)
-    s.commit(steps[-1] + 1, {0: state(steps[-1] + 1)})  # and the store takes commits again
-    assert_same(s.checkout("latest")[0], state(steps[-1] + 1))
+    s.commit(commit_at[0], {0: state(commit_at[0])})  # the killed step commits again
+    assert_same(s.checkout("latest")[0], state(commit_at[0]))
+
+
+# -- gc with no grace beside commits, one of them stalled mid-write -----------------------------
+def _race_with_a_stalled_commit(location: str, catalog: str | None, options: dict[str, Any] | None,
+                                tmp: Path) -> None:  # fmt: skip
+    """gc runs back to back with grace 0 and a 1 s lease, unthrottled, beside a committer running
+    flat out, while a third process's commit stalls mid-write (in its progress callback, until a
+    file appears). That commit claimed the chunks of step 0 before it stalled; the test releases
+    it only once gc has dropped step 0 (and swept everything else it could) meanwhile. The stalled
+    commit then completes, bit-exact, and the store is clean."""
+    n = 6
+    opened = f"ckstore.open({location!r}, catalog={catalog!r}, storage_options={options!r}"
+    s = eval(opened + ', run="train", chunk_size=64 * 1024, pack_size=256 * 1024, lease_seconds=1.0)')  # noqa: S307
+    assert s.config.lease_seconds == 1.0
+    s.commit(0, {0: state(0)}, {"val_loss": val_loss(0)})
+    release, stop = tmp / "release", tmp / "stop"
+    # step 0's tensors (already stored: claimed, not written) plus a tensor of its own to write
+    side = "{**state(0), 'extra': {'x': torch.randn(300_000, generator=torch.Generator().manual_seed(99))}}"
+    stalled = spawn(
+        f"""
+        import time
+        s = {opened}, run="side")
+        print("ready", flush=True)
+        def progress(done, total, first=[True]):
+            if first[0]:
+                first[0] = False
+                print("stalled", flush=True)
+                while not os.path.exists({str(release)!r}):  # the event: a file the test creates
+                    time.sleep(0.01)
+        ck = s.commit(0, {{0: {side}}}, progress=progress)
+        print("committed", ck.step, flush=True)
+        """
+    )
+    committer = spawn(
+        f"""
+        s = {opened}, run="train")
+        print("ready", flush=True)
+        for step in range(1, {n}):
+            s.commit(step, {{0: state(step)}}, {{"val_loss": val_loss(step)}})
+            print("committed", step, flush=True)
+        """
+    )
+    collector = spawn(
+        f"""
+        from ckstore.retention import LatestN
+        s = {opened})
+        print("ready", flush=True)
+        while not os.path.exists({str(stop)!r}):
+            r = s.gc(LatestN(2), run="train", grace=0)
+            print("gc", json.dumps([r.dropped, len(r.reaped), r.packs_deleted, r.orphans_deleted]), flush=True)
+        """
+    )
+    procs = [stalled, committer, collector]
+    try:
+        wait_ready(*procs)
+        wait_line(stalled, "stalled")  # mid-write, its claim recorded
+        assert ("side", 0) in [(run, step) for _, run, step, _, _ in s.catalog.pending()]
+        # the collector drops step 0 (whose chunks only the stalled commit still needs) and keeps
+        # going; the committer commits beside it, unthrottled
+        dropped: list[str] = []
+        packs_deleted = 0
+        while "train@0" not in dropped or packs_deleted == 0:
+            runs = json.loads(wait_line(collector, "gc").split(" ", 1)[1])
+            assert runs[1] == 0, "gc reaped the stalled commit, which is alive"
+            dropped += runs[0]
+            packs_deleted += runs[2]
+        more = [json.loads(wait_line(collector, "gc").split(" ", 1)[1]) for _ in range(2)]  # two more full runs
+        assert all(r[1] == 0 for r in more)
+        release.touch()
+        assert wait_line(stalled, "committed") == "committed 0"
+        assert stalled.wait(120) == 0, stalled.stderr.read() if stalled.stderr else ""
+        assert committer.wait(240) == 0, committer.stderr.read() if committer.stderr else ""
+        stop.touch()
+        assert collector.wait(120) == 0, collector.stderr.read() if collector.stderr else ""
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    import torch
+
+    want = {**state(0), "extra": {"x": torch.randn(300_000, generator=torch.Generator().manual_seed(99))}}
+    assert_same(s.checkout("side@0")[0], want)
+    s.gc(grace=0)
+    assert sorted(c.ref for c in s.checkpoints()) == ["side@0", f"train@{n - 2}", f"train@{n - 1}"]
+    assert_same(s.checkout("side@0")[0], want)
+    for step in (n - 2, n - 1):
+        assert_same(s.checkout(f"train@{step}")[0], state(step))
+    assert_clean(s)
+    s.close()
+
+
+@pytest.mark.slow
+def test_gc_without_grace_beside_commits_and_a_stalled_one(tmp_path: Path) -> None:
+    _race_with_a_stalled_commit(str(tmp_path / "store"), None, None, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_gc_without_grace_beside_commits_and_a_stalled_one_on_s3_and_postgres(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str, pg_catalog_url: str
+) -> None:
+    _race_with_a_stalled_commit(f"s3://{s3_bucket}/store", pg_catalog_url, s3_server.storage_options(), tmp_path)

@@ -3,13 +3,11 @@ that dies under a checkout; the command line finding an S3 store through the env
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,8 +18,9 @@ import torch
 from click.testing import CliRunner
 from conformance import StoreSpec, assert_consistent, sample_states
 from conformance.store import CHUNK, mp_context
+from faultproxy import FaultProxy
 from helpers import assert_same
-from services import S3_KEY, S3_REGION, S3_SECRET, S3Server
+from services import S3_SECRET, S3Server
 
 import ckstore
 from ckstore.cli import main
@@ -92,12 +91,11 @@ def test_s3_server_killed_during_a_checkout(private_s3_server: S3Server, tmp_pat
     def kill_once(_done: int, _total: int) -> None:
         private_s3_server.kill()
 
-    t0 = time.monotonic()
     with pytest.raises(ckstore.BlobStoreError) as info:
         store.load(ckpt, progress=kill_once)
-    assert time.monotonic() - t0 < 30
     msg = str(info.value)
-    assert "run 'exp', step 1" in msg and "is the store's server reachable?" in msg, msg
+    # a bounded number of tries (the documented 4), then an error naming the checkpoint
+    assert "run 'exp', step 1" in msg and "failed 4 times" in msg and "is the store's server reachable?" in msg, msg
     assert not private_s3_server.alive()
 
 
@@ -110,10 +108,8 @@ def test_s3_server_frozen_during_a_checkout(private_s3_server: S3Server, tmp_pat
     def freeze_once(_done: int, _total: int) -> None:
         private_s3_server.freeze()  # the socket stays open: only a timeout ends a request
 
-    t0 = time.monotonic()
-    with pytest.raises(ckstore.BlobStoreError, match=r"run 'exp', step 1.*(Timeout|timed out)"):
+    with pytest.raises(ckstore.BlobStoreError, match=r"run 'exp', step 1.*failed 4 times, the last with .*(Timeout|timed out)"):
         store.load(ckpt, progress=freeze_once)
-    assert time.monotonic() - t0 < 30
     private_s3_server.thaw()
     assert_same(store.checkout(1), sample_states(1))  # the server is back: so is the store
 
@@ -129,26 +125,23 @@ def test_s3_server_killed_during_a_commit(private_s3_server: S3Server, tmp_path:
 
 
 @pytest.mark.s3
-def test_s3_commit_uploads_packs_in_parallel(s3_server: S3Server, tmp_path: Path) -> None:
-    store = _s3_store(s3_server, tmp_path)
-    live, most = [0], [0]
-
-    async def slow_put(**_kw: Any) -> None:  # every upload takes 0.2 s of "network"
-        live[0] += 1
-        most[0] = max(most[0], live[0])
-        await asyncio.sleep(0.2)
-        live[0] -= 1
-
-    store.blobs.fs.connect()  # type: ignore[attr-defined]
-    store.blobs.fs.s3.meta.events.register("before-send.s3.PutObject", slow_put)  # type: ignore[attr-defined]
+def test_s3_commit_uploads_packs_in_parallel(s3_server: S3Server, fault_proxy: FaultProxy, tmp_path: Path) -> None:
+    """The proxy holds every pack upload until three are in flight at once: a commit that
+    uploaded one pack after another would never get there (and the count would say 1)."""
+    bucket = s3_server.make_bucket()
+    store = ckstore.open(
+        f"s3://{bucket}/store", catalog=f"sqlite:///{tmp_path / 'catalog.db'}",
+        storage_options={**s3_server.storage_options(), "endpoint_url": fault_proxy.endpoint},
+        run="exp", chunk_size=CHUNK, pack_size=CHUNK, workers=2,
+    )  # fmt: skip
     state = {0: {"model_states": {"w": torch.randn(16 * CHUNK // 4, generator=torch.Generator().manual_seed(0))}}}
-    t0 = time.monotonic()
-    store.commit(1, state)
-    elapsed = time.monotonic() - t0
+    with fault_proxy.hold(3, op="PutObject", key="/packs/") as most_in_flight:
+        store.commit(1, state)
     packs = len(list(store.blobs.list("packs/")))
     assert packs >= 6
-    assert most[0] == store.blobs.write_concurrency == 3
-    assert elapsed < packs * 0.2 / 2  # well under one upload after another
+    assert fault_proxy.count("PutObject", "/packs/", status=200) == packs
+    # the documented write_concurrency, 3: reached, and never passed
+    assert most_in_flight() == store.blobs.write_concurrency == 3  # type: ignore[attr-defined]
     assert_same(store.checkout(1), state)
     assert_consistent(store)
 
@@ -156,15 +149,10 @@ def test_s3_commit_uploads_packs_in_parallel(s3_server: S3Server, tmp_path: Path
 @pytest.mark.s3
 def test_gc_aborts_unfinished_uploads_of_killed_commits(s3_server: S3Server, tmp_path: Path) -> None:
     """A commit killed while uploading a large pack leaves a multipart upload; gc aborts it."""
-    import boto3
-
     store = _s3_store(s3_server, tmp_path)
     store.commit(1, {0: {"m": {"w": torch.ones(4)}}})
     bucket = store.blobs.root.split("/")[0]  # type: ignore[attr-defined]
-    client = boto3.client(
-        "s3", endpoint_url=s3_server.endpoint, region_name=S3_REGION, aws_access_key_id=S3_KEY,
-        aws_secret_access_key=S3_SECRET,
-    )  # fmt: skip
+    client = s3_server.client()
     ours = client.create_multipart_upload(Bucket=bucket, Key="store/packs/ab/" + "ab" * 16)["UploadId"]
     client.upload_part(Bucket=bucket, Key="store/packs/ab/" + "ab" * 16, UploadId=ours, PartNumber=1, Body=b"x" * 1024)
     other = client.create_multipart_upload(Bucket=bucket, Key="elsewhere/big.bin")["UploadId"]
@@ -184,7 +172,8 @@ def test_gc_aborts_unfinished_uploads_of_killed_commits(s3_server: S3Server, tmp
         return {u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
 
     assert uploads() == {ours, other, live}
-    # (moto reports every upload as started in 2010, so the grace cannot be shown here)
+    # (moto reports every upload as started in 2010; test_s3_faults.py shows the grace through a
+    # proxy that reports real start times)
     report = store.gc(grace=0)
     assert report.temp_files_deleted == 1
     assert uploads() == {other, live}  # only this store's prefix, never a live commit's pack

@@ -164,12 +164,14 @@ def test_checkout_never_unpickles_a_planted_pickle(store: ckstore.Store, tmp_pat
     # a manifest naming a pickle is refused without opt-in, whatever the pickle would do
     marker = tmp_path / "ran"
     payload = pickle.dumps(_Boom(str(marker)))
+    pickle.loads(payload)  # the planted pickle does run when unpickled: the marker proves it
+    assert marker.exists()
+    marker.unlink()
     store.commit(1, {0: {"m": {"x": _Boom(str(marker))}}}, allow_pickle=True)
     assert not marker.exists()
     with pytest.raises(UnsupportedValueError):
         store.checkout(1)
     assert not marker.exists()
-    assert payload
 
 
 class _Boom:
@@ -267,7 +269,7 @@ def test_secrets_are_not_recorded(tmp_path: Path) -> None:
 
 def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path) -> None:
     """gc reaping a pending checkpoint (here by hand) makes the commit fail fast, invisibly."""
-    import time
+    import threading
 
     import catalog_tools
 
@@ -277,13 +279,16 @@ def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path) -> None:
     def progress(done: int, total: int) -> None:
         calls.append(done)
         if len(calls) == 1:
-            catalog_tools.drop_pending(s.catalog)
-            time.sleep(0.5)  # the heartbeat (every 0.1 s) notices the claim is gone
+            (beat,) = [t for t in threading.enumerate() if t.name == "ckstore-heartbeat"]
+            assert catalog_tools.drop_pending(s.catalog) == 1
+            # the heartbeat thread (every 0.1 s) finds the claim gone, records it and ends
+            beat.join(timeout=60)
+            assert not beat.is_alive()
 
     state = {f"w{i}": torch.randn(64 * 1024) for i in range(8)}
     with pytest.raises(ckstore.CommitAbandonedError, match="taken over"):
         s.commit(1, {0: {"m": state}}, progress=progress)
-    assert len(calls) < 8  # it stopped writing instead of finishing
+    assert len(calls) == 1  # it stopped writing at the next chunk instead of finishing
     assert s.checkpoints() == [] and s.catalog.pending() == []
 
 

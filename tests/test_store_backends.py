@@ -55,3 +55,11 @@ class TestAzurePostgres(*STORE_SUITES):  # type: ignore[misc]
     @pytest.fixture
     def spec(self, azurite: AzuriteEmulator, az_container: str, pg_catalog_url: str) -> StoreSpec:
         return StoreSpec(f"az://{az_container}/{uuid.uuid4().hex[:8]}", pg_catalog_url, azurite.storage_options())
+
+
+class TestMemory(*STORE_SUITES):  # type: ignore[misc]
+    """fsspec's in-memory file system with a SQLite catalog: a whole store inside one process."""
+
+    @pytest.fixture
+    def spec(self, tmp_path: Path) -> StoreSpec:
+        return StoreSpec(f"memory://ckstore-{uuid.uuid4().hex[:12]}/store", f"sqlite:///{tmp_path / 'catalog.db'}")
