@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conformance import StoreSpec
-from conformance.catalog import mp_context
+from conformance.store import mp_context
 from helpers import assert_same
 from services import S3Server
 
