@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 from .blobstore import BlobStore
 from .catalog import Catalog
-from .checkout.executor import execute_plan
-from .checkout.reshard import plan_checkout
 from .config import StoreConfig
 from .errors import (
     CheckpointNotFoundError,
@@ -17,7 +15,6 @@ from .errors import (
     StoreConfigError,
 )
 from .format.manifest import Manifest
-from .format.tensorio import dtype_from_name, itemsize, to_device, unflatten
 from .layout import WorldLayout
 from .records import Checkpoint, RunInfo
 from .refs import check_name, parse_ref
@@ -171,6 +168,10 @@ class Store:
     ) -> dict[int, dict[str, Any]]:
         """Check out an already resolved checkpoint (see :meth:`checkout`)."""
         import torch
+
+        from .checkout.executor import execute_plan
+        from .checkout.reshard import plan_checkout
+        from .format.tensorio import dtype_from_name, itemsize, to_device, unflatten
 
         dev = torch.device(device) if device is not None else None
         rank_list = None if ranks is None else sorted(set(ranks))

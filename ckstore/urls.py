@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import os
 import re
-
-from sqlalchemy.engine import URL, make_url
+from typing import TYPE_CHECKING
 
 from .errors import StoreConfigError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 __all__ = [
     "parse",
@@ -59,6 +61,8 @@ def stored_variable_allowed(name: str) -> bool:
 def parse(url: str) -> URL:
     """``url`` parsed by SQLAlchemy; a :class:`StoreConfigError` (showing it redacted) if it is not
     a URL."""
+    from sqlalchemy.engine import make_url  # on first use: the CLI's --help needs no SQLAlchemy
+
     try:
         return make_url(url)
     except Exception as e:  # noqa: BLE001 - ArgumentError, or ValueError for a bad port
@@ -75,6 +79,8 @@ def _secret_query_keys(url: URL) -> list[str]:
 def redact(url: str) -> str:
     """``url`` with its password and any ``?password=`` / ``?sslpassword=`` value hidden, for
     messages and logs. A string SQLAlchemy cannot parse is masked by pattern instead."""
+    from sqlalchemy.engine import make_url
+
     try:
         parsed = make_url(url)
         if "@" in (parsed.host or ""):  # a password with a bare "@": part of it landed in the host

@@ -25,6 +25,7 @@ __all__ = [
     "upgrade_schema",
     "migrations_dir",
     "head_revision",
+    "SCHEMA_REVISION",
     "redact",
     "describe_database_error",
     "PG_CONNECT_DEFAULTS",
@@ -145,6 +146,17 @@ def head_revision(engine: Engine) -> str:
     return head
 
 
+# the head of migrations/versions, so that opening a catalog already at head needs no Alembic
+# import (about half a second); a test keeps it equal to Alembic's head
+SCHEMA_REVISION = "0001"
+
+
+def _at_head(conn: Connection) -> bool:
+    """Whether the catalog's one recorded revision is :data:`SCHEMA_REVISION` (plain SQL)."""
+    rows = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+    return list(rows) == [SCHEMA_REVISION]
+
+
 def _current_revision(conn: Connection) -> str | None:
     from alembic.runtime.migration import MigrationContext
 
@@ -160,16 +172,18 @@ def check_schema(engine: Engine, upgrade_hint: str) -> None:
     An outdated catalog raises :class:`SchemaVersionError` carrying ``upgrade_hint``, the exact
     command that upgrades it.
     """
-    from alembic import command
-
     try:
         with write_txn(engine, lock="exclusive") as conn:
             tables = set(inspect(conn).get_table_names())
             if "alembic_version" not in tables and not (tables & _OWN_TABLES):
+                from alembic import command
+
                 Base.metadata.create_all(conn)
                 cfg = _alembic_config(engine)
                 cfg.attributes["connection"] = conn
                 command.stamp(cfg, "head")
+                return
+            if "alembic_version" in tables and _at_head(conn):
                 return
             current = _current_revision(conn)
     except SchemaVersionError:

@@ -12,17 +12,16 @@ from sqlalchemy import ColumnElement, Connection, exists, select
 
 from ..errors import NotFoundError
 from ._schema import (
+    CHECKPOINTS,
+    CHUNK_REFS,
+    CHUNKS,
+    ENTRIES,
+    METRICS,
+    PACKS,
     PENDING,
-    Base,
-    CheckpointRow,
-    Chunk,
-    ChunkRef,
-    Entry,
-    Metric,
-    Pack,
-    Run,
-    Tag,
-    Trash,
+    RUNS,
+    TAGS,
+    TRASH,
 )
 
 __all__ = [
@@ -33,17 +32,6 @@ __all__ = [
 
 _BATCH = 500
 _T = TypeVar("_T")
-
-_TABLES = Base.metadata.tables
-CHECKPOINTS = _TABLES[CheckpointRow.__tablename__]
-ENTRIES = _TABLES[Entry.__tablename__]
-PACKS = _TABLES[Pack.__tablename__]
-CHUNKS = _TABLES[Chunk.__tablename__]
-CHUNK_REFS = _TABLES[ChunkRef.__tablename__]
-METRICS = _TABLES[Metric.__tablename__]
-TAGS = _TABLES[Tag.__tablename__]
-RUNS = _TABLES[Run.__tablename__]
-TRASH = _TABLES[Trash.__tablename__]
 
 
 def utcnow() -> datetime:

@@ -161,7 +161,7 @@ def log(obj: Ctx, run: str | None, as_json: bool, limit: int | None, changes: bo
 @handle_errors
 def show(obj: Ctx, ref: str, ranks: tuple[int, ...], as_json: bool) -> None:
     """The key tree of checkpoint REF: shapes, dtypes, sizes, sharding."""
-    from ..format.tensorio import iter_tensor_paths
+    from ..format.tree import tensor_paths as iter_tensor_paths
 
     store = obj.open()
     ckpt = store.resolve(ref)

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ._common import (
@@ -69,6 +68,8 @@ def _grace(value: str | None) -> float | None:
 @contextmanager
 def _progress() -> Iterator[Callable[[str, int, int], None]]:
     """A progress callback drawing rich bars on stderr (nothing when stderr is not a terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     if not err_console.is_terminal:
         yield lambda phase, done, total: None
         return

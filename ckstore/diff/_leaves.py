@@ -15,11 +15,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkout.executor import execute_plan
 from ..checkout.reshard import StoredPiece, plan_boxes
 from ..format import tree as tree_format
+from ..format.dtypes import stored_itemsize
 from ..format.manifest import check_pieces
-from ..format.tensorio import dtype_from_name, format_path, itemsize
 from ..records import Checkpoint
 from ._stats import Accumulator
 from ._view import StoreView
@@ -116,6 +115,8 @@ def read_side(
     store: StoreView, ckpt: Checkpoint, sub_keys: list[str] | None, pattern: str | None
 ) -> Side:
     """The leaves of ``ckpt`` in ``sub_keys`` (all when None) whose key matches glob ``pattern``."""
+    from ..format.tensorio import format_path
+
     mans = store.manifests(ckpt, sub_keys=sub_keys)
     where = f"run {ckpt.run!r}, step {ckpt.step}"
     pieces: dict[tuple[str, str], dict[tuple[tuple[int, ...], tuple[int, ...]], StoredPiece]] = {}
@@ -141,7 +142,7 @@ def read_side(
                 s, e = rec.chunk_span(i)
                 chunks[d] = e - s
             source = f"{where}, rank {rank}, {sub_key}, key {rec.path!r}"
-            item = sizes.setdefault(rec.dtype, itemsize(dtype_from_name(rec.dtype)))
+            item = sizes.setdefault(rec.dtype, stored_itemsize(rec.dtype))
             if rec.shard is not None:
                 pieces.setdefault(k, {}).setdefault(
                     (rec.shard.offsets, rec.shape), StoredPiece(rec.shard.offsets, rec, source)
@@ -218,6 +219,8 @@ class Reader:
 
     def scan(self, ta: TensorLeaf, tb: TensorLeaf, acc: Accumulator, *, stop_on_diff: bool) -> int:
         """Feed every window of ``ta`` and ``tb`` to ``acc``; returns the raw bytes decoded."""
+        from ..checkout.executor import execute_plan  # torch: only once tensors are read
+
         self.sizes.update({ta.dtype: ta.item, tb.dtype: tb.item})
         chunk_elems = max(p.record.chunk_size // t.item for t in (ta, tb) for p in t.pieces)
         read = 0

@@ -7,12 +7,10 @@ complex tensors), so the result matches computing on the whole tensors up to rou
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from ..format.tensorio import byte_view
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Accumulator"]
 
@@ -37,6 +35,11 @@ class Accumulator:
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Compare one window; ``a`` and ``b`` hold the same elements of the two tensors."""
+        import numpy as np
+        import torch  # here, not at import: ``ckstore.diff.lineage`` (fork) needs no torch
+
+        from ..format.tensorio import byte_view
+
         n = a.numel()
         self.numel += n
         if n == 0:
@@ -98,6 +101,8 @@ class Accumulator:
 
 def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
     """The real part of ``sum(conj(x) * y)``, accumulated in float64."""
+    import torch
+
     if x.is_complex():
         return float(torch.vdot(x, y).real)
     return float(torch.dot(x, y))

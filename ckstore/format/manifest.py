@@ -141,7 +141,7 @@ class TensorRecord:
     @classmethod
     def from_json(cls, obj: Any, where: str = "") -> TensorRecord:
         """Parse one record and check it is self-consistent (see the module docstring)."""
-        from .tensorio import stored_itemsize
+        from .dtypes import stored_itemsize
 
         if not isinstance(obj, dict):
             raise IntegrityError(f"{where}a tensor record is {_short(obj)}, not an object")

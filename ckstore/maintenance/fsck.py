@@ -19,12 +19,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..blobstore import BlobNotFoundError, BlobStore
 from ..catalog import Catalog, CheckpointId, ChunkSpan, PackExtent, Survey, utcnow
 from ..errors import BlobStoreError, IntegrityError
-from ..format import codec, hashing
 from ..format.manifest import MAX_CHUNK_SIZE, Manifest, TensorRecord, check_pieces
 from .gc import (
     Progress,
@@ -107,6 +104,10 @@ class FsckReport:
 
 def _verify_pack(blobs: BlobStore, key: str, chunks: Sequence[ChunkSpan]) -> tuple[dict[bytes, str], int]:
     """Read one pack and check every chunk row of it: ``({digest: problem}, bytes read)``."""
+    import numpy as np  # --deep only: a shallow check needs no decoder
+
+    from ..format import codec, hashing
+
     try:
         data = memoryview(blobs.read(key))
     except BlobNotFoundError:
