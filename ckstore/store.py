@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # retention and garbage collection
     from .maintenance.du import DuReport
     from .maintenance.fsck import FsckReport
     from .maintenance.gc import GcReport
+    from .maintenance.recover import RecoverReport
     from .maintenance.retention import Policy
 
 
@@ -247,6 +248,7 @@ class Store:
     def tag(self, ref: str | int, name: str, *, move: bool = False) -> Checkpoint:
         ckpt = self.resolve(ref)
         self.catalog.tag(ckpt, name, move=move)
+        self._record("tag", ckpt, name=name)
         return self.catalog.get(ckpt.id)
 
     def untag(self, name: str, *, run: str | None = None) -> None:
@@ -255,6 +257,7 @@ class Store:
             ckpt = self.resolve(name)
             run_name = ckpt.run
         self.catalog.untag(run_name, name)
+        self._record_run("untag", run_name, name=name)
 
     # -- diff and lineage --
     def diff(
@@ -279,7 +282,9 @@ class Store:
         """Start run ``new_run`` from checkpoint ``ref``; its first commit descends from it."""
         from .diff.lineage import fork
 
-        return fork(self, ref, new_run)
+        ckpt = fork(self, ref, new_run)
+        self._record("fork", ckpt, run=new_run, parent_ref=ckpt.ref)
+        return ckpt
 
     def lineage(self, run: str | None = None) -> list[Ancestor]:
         """The checkpoints ``run`` (default: the store's run) descends from, nearest first."""
@@ -296,6 +301,7 @@ class Store:
         from .maintenance import gc as _gc
 
         _gc.set_policy(self.catalog, run, policy)
+        self._record_run("policy", run, policy=self.catalog.run_policy(run))
 
     def policy(self, run: str) -> Policy | None:
         """``run``'s stored retention policy, or None."""
@@ -330,7 +336,12 @@ class Store:
         """
         from .maintenance import gc as _gc
 
-        return _gc.delete(self.catalog, self.resolve(ref, run=run), force=force)
+        ckpt = self.resolve(ref, run=run)
+        found = self.catalog.identity(ckpt.id)
+        _gc.delete(self.catalog, ckpt, force=force)
+        if found is not None:
+            self._record_run("delete", ckpt.run, target=found[0])
+        return ckpt
 
     def fsck(
         self,
@@ -345,6 +356,36 @@ class Store:
         from .maintenance import fsck as _fsck
 
         return _fsck.check(self.catalog, self.blobs, deep=deep, repair=repair, grace=grace, workers=self.workers, progress=progress)
+
+    # -- records: what a lost catalog is rebuilt from --
+    def _record(self, kind: str, ckpt: Checkpoint, **kw: Any) -> None:
+        """Record a change to ``ckpt`` (already applied to the catalog) in the blob store."""
+        from .format.recordio import checkpoint_event
+
+        checkpoint_event(self.blobs, self.catalog, kind, ckpt, **kw)
+
+    def _record_run(self, kind: str, run: str, *, name: str | None = None, target: Any = None, policy: str | None = None) -> None:
+        from .catalog import utcnow
+        from .format.record import Event, Identity
+        from .format.recordio import write_event
+
+        created = self.catalog.run_created(run) or utcnow()
+        ident = Identity(*target) if target is not None else None
+        write_event(self.blobs, Event(kind, utcnow(), run, created, name=name, target=ident, policy=policy))
+
+    def recover(self, *, progress: Callable[[str, int, int], None] | None = None) -> RecoverReport:
+        """Rebuild this store's catalog from the records and packs in its blob store (a missing,
+        empty or damaged catalog); safe to run twice. See :mod:`ckstore.maintenance.recover`."""
+        from .maintenance import recover as _recover
+
+        return _recover.recover(self.catalog, self.blobs, progress=progress)
+
+    def backfill_records(self) -> int:
+        """Write the blob-store records of every checkpoint, fork and policy the catalog has and
+        the blob store lacks (stores written before records existed); returns how many."""
+        from .maintenance import recover as _recover
+
+        return _recover.backfill(self.catalog, self.blobs)
 
     def du(self, run: str | None = None) -> DuReport:
         """Logical and stored bytes, dedup and compression ratios, and bytes each run and

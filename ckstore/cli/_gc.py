@@ -288,6 +288,15 @@ def _render_fsck(rep: Any) -> None:
             "[bold green]ok[/]: every checkpoint's chunks are "
             + ("intact" if rep.deep else "stored")
         )
+    rec = rep.records
+    if rec is not None and (rec.unrecorded or rec.unknown or rec.unreadable):
+        console.print(
+            f"records: {len(rec.unrecorded)} checkpoints without a blob-store record"
+            + (f" ({esc(', '.join(rec.unrecorded[:5]))}…; write them with `ckstore recover --backfill-records`)" if rec.unrecorded else "")
+            + f", {len(rec.unknown)} records of checkpoints the catalog lacks (gc removes them; "
+            "`ckstore recover` restores them), "
+            f"{len(rec.unreadable)} unreadable"
+        )
     if rep.damaged_unused_chunks:
         console.print(
             f"{rep.damaged_unused_chunks} damaged chunks no checkpoint uses (gc frees them)"

@@ -23,10 +23,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from ..blobstore import BlobStore
 from ..catalog import Candidate, Catalog, GcTransaction, Owner, Pending, Survey, utcnow
-from ..errors import PolicyError, ProtectedCheckpointError
+from ..errors import PolicyError, ProtectedCheckpointError, StoreConfigError
+from ..format.record import CHECKPOINTS_PREFIX, Identity, checkpoint_key
 from ..records import Checkpoint
 from ..refs import check_name
 from .retention import KeepAll, Policy, policy_from_json, policy_to_json
@@ -102,6 +104,8 @@ class GcReport:
     temp_files_deleted: int
     grace: float
     seconds: float
+    records_deleted: int = 0  # records of checkpoints the catalog no longer has
+
 
     @property
     def dropped(self) -> list[str]:
@@ -266,6 +270,19 @@ def _delete_objects(blobs: BlobStore, keys: Sequence[str], phase: str, progress:
             progress(phase, min(i + 100, len(keys)), len(keys))
 
 
+def stale_records(
+    records: Mapping[str, float | None], before: Mapping[Any, str], after: Mapping[Any, str], cutoff: float
+) -> list[str]:
+    """Listed record keys (``{key: mtime}``, listed before ``before`` was read) of checkpoints the
+    catalog no longer has: gone between the two reads (dropped or deleted), or never there and
+    older than ``cutoff`` (a commit that failed after writing its record)."""
+    kept = {checkpoint_key(Identity(*i)) for i in after}
+    gone = {checkpoint_key(Identity(*i)) for i in before if i not in after}
+    return sorted(
+        k for k, mtime in records.items() if k not in kept and (k in gone or (mtime is not None and mtime < cutoff))
+    )
+
+
 def remove_temp_files(blobs: BlobStore, handles: Sequence[str]) -> int:
     return blobs.discard_temp_files(handles)
 
@@ -312,6 +329,13 @@ def collect(
     now = utcnow()
     cutoff = time.time() - grace
     listing = list_packs(blobs, progress)  # before any catalog read: see find_orphans
+    records = {i.key: i.mtime for i in blobs.list(CHECKPOINTS_PREFIX)}  # likewise
+    before = catalog.identities()
+    if records and not before and catalog.is_empty():
+        raise StoreConfigError(
+            f"the catalog is empty but the blob store holds {len(records)} checkpoint records: the catalog "
+            "was lost or replaced. Rebuild it first with `ckstore recover`; gc would delete everything"
+        )
 
     with catalog.gc_transaction(dry_run=dry_run) as txn:
         runs = apply_policies(txn, policy, run, now)
@@ -324,10 +348,12 @@ def collect(
         orphans = [k for k in find_orphans(survey, listing, cutoff) if k not in in_trash]
     orphan_bytes = sum(listing[k][0] for k in orphans)
     temps = stale_temp_files(blobs, cutoff, catalog)
+    stale = stale_records(records, before, catalog.identities(), cutoff)
 
     if not dry_run:
         _delete_objects(blobs, trash_keys, "delete", progress, catalog.forget_trash)
         _delete_objects(blobs, orphans, "orphans", progress)
+        _delete_objects(blobs, stale, "records", None)  # after their checkpoints' rows
         remove_temp_files(blobs, temps)
 
     return GcReport(
@@ -343,4 +369,5 @@ def collect(
         temp_files_deleted=len(temps),
         grace=grace,
         seconds=time.perf_counter() - t0,
+        records_deleted=len(stale),
     )
