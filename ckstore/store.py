@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 RankStates = Mapping[int, Mapping[str, Any]]
 
 if TYPE_CHECKING:  # retention and garbage collection
+    from .maintenance.copy import CopyReport
     from .maintenance.du import DuReport
     from .maintenance.fsck import FsckReport
     from .maintenance.gc import GcReport
@@ -386,6 +387,32 @@ class Store:
         from .maintenance import recover as _recover
 
         return _recover.backfill(self.catalog, self.blobs)
+
+    def copy(
+        self,
+        refs: Iterable[str | int],
+        dest: Store,
+        *,
+        run: str | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> CopyReport:
+        """Copy the checkpoints ``refs`` name (and every checkpoint of ``run``) into store
+        ``dest``, with their runs, metrics, tags, kinds and lineage; only chunks ``dest`` lacks
+        are sent, as stored, each verified against its digest. Resumable: copying again skips
+        what arrived. ``progress(bytes_sent, bytes_to_send, bytes_skipped)``; see
+        :mod:`ckstore.maintenance.copy`."""
+        from functools import partial
+
+        from .commit.frames import commit_frames
+        from .commit.protocol import CommitContext
+        from .maintenance.copy import copy_checkpoints
+
+        ckpts = {c.id: c for c in (self.resolve(r) for r in refs)}
+        if run is not None:
+            self.catalog.require_run(run)
+            ckpts.update({c.id: c for c in self.checkpoints(run)})
+        ctx = CommitContext(dest.blobs, dest.catalog, dest.config, dest.workers, dest.run)
+        return copy_checkpoints(self, dest, list(ckpts.values()), commit=partial(commit_frames, ctx), progress=progress)
 
     def du(self, run: str | None = None) -> DuReport:
         """Logical and stored bytes, dedup and compression ratios, and bytes each run and

@@ -1,4 +1,5 @@
-"""``ckstore recover`` (rebuild a lost catalog from the blob store's records)."""
+"""``ckstore recover`` (rebuild a lost catalog from the blob store's records) and ``ckstore copy``
+(checkpoints from one store into another)."""
 
 from __future__ import annotations
 
@@ -88,4 +89,82 @@ def recover(obj: Ctx, backfill_records: bool, as_json: bool) -> None:
         raise SystemExit(1)
 
 
-COMMANDS = [recover]
+
+@click.command("copy")
+@click.argument("refs", nargs=-1)
+@click.option("--to", "dest", required=True, metavar="LOCATION", help="The destination store (made if missing, "
+              "with the source's settings).")
+@click.option("--catalog", "dest_catalog", metavar="URL", help="The destination's catalog URL, when not the one it "
+              "records (needed to create a store on an object store).")
+@click.option("--run", "run_name", metavar="RUN", help="Copy every checkpoint of this run too.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@pass_ctx
+@handle_errors
+def copy(obj: Ctx, refs: tuple[str, ...], dest: str, dest_catalog: str | None, run_name: str | None, as_json: bool) -> None:
+    """Copy checkpoints REF... (and with --run, a whole run) into another store.
+
+    Runs, metrics, tags and lineage come along; only chunks the destination lacks are sent,
+    as stored, and each is verified against its digest. Copying again resumes: what arrived is
+    skipped.
+    """
+    import ckstore
+
+    from ..errors import StoreConfigError
+
+    if not refs and not run_name:
+        raise click.UsageError("name checkpoints to copy (REF...) or a run (--run RUN)")
+    src = obj.open()
+    try:
+        target = ckstore.open(dest, catalog=dest_catalog, create=False)
+    except StoreConfigError:
+        cfg = src.config
+        target = ckstore.open(
+            dest, catalog=dest_catalog, chunk_size=cfg.chunk_size, pack_size=cfg.pack_size,
+            compression_level=cfg.compression_level,
+        )  # fmt: skip
+    with target, _copy_progress() as progress:
+        rep = src.copy(refs, target, run=run_name, progress=progress)
+    if as_json:
+        import dataclasses
+
+        print_json(dataclasses.asdict(rep))
+        return
+    from ._common import human_bytes
+
+    console.print(
+        f"copied {len(rep.copied)} checkpoints ({len(rep.present)} were already there): sent "
+        f"{rep.chunks_sent} chunks, {human_bytes(rep.bytes_sent)}; skipped {rep.chunks_skipped} chunks, "
+        f"{human_bytes(rep.bytes_skipped)} the destination had"
+    )
+    for r in rep.lineage_lost:
+        console.print(f"run {esc(r)} was forked from a checkpoint the destination lacks: copied without its origin")
+
+
+def _copy_progress() -> Any:
+    """``progress(sent, to_send, skipped)`` drawing a rich bar on stderr when it is a terminal."""
+    import contextlib
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from ._common import err_console, human_bytes
+
+    @contextlib.contextmanager
+    def bar() -> Any:
+        if not err_console.is_terminal:
+            yield lambda sent, total, skipped: None
+            return
+        with Progress(
+            TextColumn("copying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TextColumn("{task.fields[skipped]}"), console=err_console, transient=True,
+        ) as p:  # fmt: skip
+            task = p.add_task("copying", total=None, skipped="")
+
+            def update(sent: int, total: int, skipped: int) -> None:
+                p.update(task, completed=sent, total=total or None, skipped=f"{human_bytes(skipped)} skipped")
+
+            yield update
+
+    return bar()
+
+
+COMMANDS = [recover, copy]
