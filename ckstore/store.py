@@ -318,6 +318,8 @@ class Store:
         dry_run: bool = False,
         grace: float | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        repack: bool = False,
+        min_dead: float | None = None,
     ) -> GcReport:
         """Drop the checkpoints retention policies release, then free unreferenced chunks.
 
@@ -325,10 +327,23 @@ class Store:
         call; without it each run's stored policy applies, and a run with none keeps everything.
         A run's latest checkpoint is never dropped. Safe while other processes commit and read;
         see :mod:`ckstore.maintenance.gc`. ``progress(phase, done, total)`` is called on long sweeps.
+        ``repack`` then rewrites packs whose dead fraction exceeds ``min_dead`` (see
+        :mod:`ckstore.maintenance.repack`); the old packs go after the grace period.
         """
         from .maintenance import gc as _gc
 
-        return _gc.collect(self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress)
+        report = _gc.collect(self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress)
+        if not repack:
+            return report
+        import dataclasses
+
+        from .maintenance import repack as _repack
+
+        packed = _repack.repack(
+            self.catalog, self.blobs, min_dead=_repack.DEFAULT_MIN_DEAD if min_dead is None else min_dead,
+            grace=report.grace, pack_size=self.config.pack_size, dry_run=dry_run, progress=progress,
+        )  # fmt: skip
+        return dataclasses.replace(report, repack=packed)
 
     def delete(self, ref: str | int, *, force: bool = False, run: str | None = None) -> Checkpoint:
         """Remove one checkpoint from the catalog (a tagged one only with ``force``).

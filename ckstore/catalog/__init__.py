@@ -33,6 +33,7 @@ from ._gc import Candidate, GcMixin, GcTransaction, Swept
 from ._owner import Owner
 from ._queries import CorruptRowWarning
 from ._records import Ident, RecordFacts, RecordsMixin, RestoredChunk
+from ._repack import RepackCandidate, RepackMixin
 from ._rows import ChunkLocation, NewChunk, Pending, aware, utcnow
 from ._survey import CheckpointId, ChunkSpan, PackExtent, Survey
 from ._usage import StoreUsage, Usage, UsageMixin
@@ -49,6 +50,7 @@ __all__ = [
     "Ident",
     "RecordFacts",
     "RestoredChunk",
+    "RepackCandidate",
     "NewChunk",
     "Owner",
     "PackExtent",
@@ -63,5 +65,5 @@ __all__ = [
 ]
 
 
-class Catalog(CommitMixin, GcMixin, UsageMixin, RecordsMixin):
+class Catalog(CommitMixin, GcMixin, UsageMixin, RecordsMixin, RepackMixin):
     """The SQL catalog of one store (SQLite or PostgreSQL)."""

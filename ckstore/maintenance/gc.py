@@ -105,6 +105,7 @@ class GcReport:
     grace: float
     seconds: float
     records_deleted: int = 0  # records of checkpoints the catalog no longer has
+    repack: Any = None  # a ckstore.maintenance.repack.RepackReport when asked to repack
 
 
     @property
