@@ -20,7 +20,7 @@ a real run would do.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -272,13 +272,14 @@ def _delete_objects(blobs: BlobStore, keys: Sequence[str], phase: str, progress:
 
 
 def stale_records(
-    records: Mapping[str, float | None], before: Mapping[Any, str], after: Mapping[Any, str], cutoff: float
+    records: Mapping[str, float | None], gone_ids: Collection[Any], after: Mapping[Any, str], cutoff: float
 ) -> list[str]:
-    """Listed record keys (``{key: mtime}``, listed before ``before`` was read) of checkpoints the
-    catalog no longer has: gone between the two reads (dropped or deleted), or never there and
-    older than ``cutoff`` (a commit that failed after writing its record)."""
+    """Listed record keys (``{key: mtime}``, listed before the catalog was read) of checkpoints
+    the catalog no longer has (``after``: what it has): ``gone_ids`` (dropped or deleted while
+    gc ran), or never there and older than ``cutoff`` (a commit that failed after writing its
+    record)."""
     kept = {checkpoint_key(Identity(*i)) for i in after}
-    gone = {checkpoint_key(Identity(*i)) for i in before if i not in after}
+    gone = {checkpoint_key(Identity(*i)) for i in gone_ids}
     return sorted(
         k for k, mtime in records.items() if k not in kept and (k in gone or (mtime is not None and mtime < cutoff))
     )
@@ -349,7 +350,16 @@ def collect(
         orphans = [k for k in find_orphans(survey, listing, cutoff) if k not in in_trash]
     orphan_bytes = sum(listing[k][0] for k in orphans)
     temps = stale_temp_files(blobs, cutoff, catalog)
-    stale = stale_records(records, before, catalog.identities(), cutoff)
+    # the checkpoints gone: those this gc dropped or reaped (a dry run only says so), and any other
+    # that went meanwhile (`ckstore rm`)
+    dropped = {(r.run, d.step) for r in runs for d in r.dropped}
+    reaped_steps = {(p.run, p.step) for p in reaped}
+    after = catalog.identities()
+    gone = {
+        i for i, status in before.items()
+        if i not in after or (i[0], i[1]) in (dropped if status == "committed" else reaped_steps)
+    }  # fmt: skip
+    stale = stale_records(records, gone, {i: s for i, s in after.items() if i not in gone}, cutoff)
 
     if not dry_run:
         _delete_objects(blobs, trash_keys, "delete", progress, catalog.forget_trash)
