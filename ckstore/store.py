@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 RankStates = Mapping[int, Mapping[str, Any]]
 
 if TYPE_CHECKING:  # retention and garbage collection
+    from .maintenance.copy import CopyReport
     from .maintenance.du import DuReport
     from .maintenance.fsck import FsckReport
     from .maintenance.gc import GcReport
+    from .maintenance.recover import RecoverReport
     from .maintenance.retention import Policy
 
 
@@ -248,6 +250,7 @@ class Store:
     def tag(self, ref: str | int, name: str, *, move: bool = False) -> Checkpoint:
         ckpt = self.resolve(ref)
         self.catalog.tag(ckpt, name, move=move)
+        self._record("tag", ckpt, name=name)
         return self.catalog.get(ckpt.id)
 
     def untag(self, name: str, *, run: str | None = None) -> None:
@@ -256,6 +259,7 @@ class Store:
             ckpt = self.resolve(name)
             run_name = ckpt.run
         self.catalog.untag(run_name, name)
+        self._record_run("untag", run_name, name=name)
 
     # -- diff and lineage --
     def diff(
@@ -280,7 +284,9 @@ class Store:
         """Start run ``new_run`` from checkpoint ``ref``; its first commit descends from it."""
         from .diff.lineage import fork
 
-        return fork(self, ref, new_run)
+        ckpt = fork(self, ref, new_run)
+        self._record("fork", ckpt, run=new_run, parent_ref=ckpt.ref)
+        return ckpt
 
     def lineage(self, run: str | None = None) -> list[Ancestor]:
         """The checkpoints ``run`` (default: the store's run) descends from, nearest first."""
@@ -297,6 +303,7 @@ class Store:
         from .maintenance import gc as _gc
 
         _gc.set_policy(self.catalog, run, policy)
+        self._record_run("policy", run, policy=self.catalog.run_policy(run))
 
     def policy(self, run: str) -> Policy | None:
         """``run``'s stored retention policy, or None."""
@@ -312,6 +319,8 @@ class Store:
         dry_run: bool = False,
         grace: float | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        repack: bool = False,
+        min_dead: float | None = None,
     ) -> GcReport:
         """Drop the checkpoints retention policies release, then free unreferenced chunks.
 
@@ -319,10 +328,23 @@ class Store:
         call; without it each run's stored policy applies, and a run with none keeps everything.
         A run's latest checkpoint is never dropped. Safe while other processes commit and read;
         see :mod:`ckstore.maintenance.gc`. ``progress(phase, done, total)`` is called on long sweeps.
+        ``repack`` then rewrites packs whose dead fraction exceeds ``min_dead`` (see
+        :mod:`ckstore.maintenance.repack`); the old packs go after the grace period.
         """
         from .maintenance import gc as _gc
 
-        return _gc.collect(self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress)
+        report = _gc.collect(self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress)
+        if not repack:
+            return report
+        import dataclasses
+
+        from .maintenance import repack as _repack
+
+        packed = _repack.repack(
+            self.catalog, self.blobs, min_dead=_repack.DEFAULT_MIN_DEAD if min_dead is None else min_dead,
+            grace=report.grace, pack_size=self.config.pack_size, dry_run=dry_run, progress=progress,
+        )  # fmt: skip
+        return dataclasses.replace(report, repack=packed)
 
     def delete(self, ref: str | int, *, force: bool = False, run: str | None = None) -> Checkpoint:
         """Remove one checkpoint from the catalog (a tagged one only with ``force``).
@@ -331,7 +353,12 @@ class Store:
         """
         from .maintenance import gc as _gc
 
-        return _gc.delete(self.catalog, self.resolve(ref, run=run), force=force)
+        ckpt = self.resolve(ref, run=run)
+        found = self.catalog.identity(ckpt.id)
+        _gc.delete(self.catalog, ckpt, force=force)
+        if found is not None:
+            self._record_run("delete", ckpt.run, target=found[0])
+        return ckpt
 
     def fsck(
         self,
@@ -346,6 +373,62 @@ class Store:
         from .maintenance import fsck as _fsck
 
         return _fsck.check(self.catalog, self.blobs, deep=deep, repair=repair, grace=grace, workers=self.workers, progress=progress)
+
+    # -- records: what a lost catalog is rebuilt from --
+    def _record(self, kind: str, ckpt: Checkpoint, **kw: Any) -> None:
+        """Record a change to ``ckpt`` (already applied to the catalog) in the blob store."""
+        from .format.recordio import checkpoint_event
+
+        checkpoint_event(self.blobs, self.catalog, kind, ckpt, **kw)
+
+    def _record_run(self, kind: str, run: str, *, name: str | None = None, target: Any = None, policy: str | None = None) -> None:
+        from .catalog import utcnow
+        from .format.record import Event, Identity
+        from .format.recordio import write_event
+
+        created = self.catalog.run_created(run) or utcnow()
+        ident = Identity(*target) if target is not None else None
+        write_event(self.blobs, Event(kind, utcnow(), run, created, name=name, target=ident, policy=policy))
+
+    def recover(self, *, progress: Callable[[str, int, int], None] | None = None) -> RecoverReport:
+        """Rebuild this store's catalog from the records and packs in its blob store (a missing,
+        empty or damaged catalog); safe to run twice. See :mod:`ckstore.maintenance.recover`."""
+        from .maintenance import recover as _recover
+
+        return _recover.recover(self.catalog, self.blobs, progress=progress)
+
+    def backfill_records(self) -> int:
+        """Write the blob-store records of every checkpoint, fork and policy the catalog has and
+        the blob store lacks (stores written before records existed); returns how many."""
+        from .maintenance import recover as _recover
+
+        return _recover.backfill(self.catalog, self.blobs)
+
+    def copy(
+        self,
+        refs: Iterable[str | int],
+        dest: Store,
+        *,
+        run: str | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> CopyReport:
+        """Copy the checkpoints ``refs`` name (and every checkpoint of ``run``) into store
+        ``dest``, with their runs, metrics, tags, kinds and lineage; only chunks ``dest`` lacks
+        are sent, as stored, each verified against its digest. Resumable: copying again skips
+        what arrived. ``progress(bytes_sent, bytes_to_send, bytes_skipped)``; see
+        :mod:`ckstore.maintenance.copy`."""
+        from functools import partial
+
+        from .commit.frames import commit_frames
+        from .commit.protocol import CommitContext
+        from .maintenance.copy import copy_checkpoints
+
+        ckpts = {c.id: c for c in (self.resolve(r) for r in refs)}
+        if run is not None:
+            self.catalog.require_run(run)
+            ckpts.update({c.id: c for c in self.checkpoints(run)})
+        ctx = CommitContext(dest.blobs, dest.catalog, dest.config, dest.workers, dest.run)
+        return copy_checkpoints(self, dest, list(ckpts.values()), commit=partial(commit_frames, ctx), progress=progress)
 
     def du(self, run: str | None = None) -> DuReport:
         """Logical and stored bytes, dedup and compression ratios, and bytes each run and

@@ -35,6 +35,7 @@ exactly what a checkout read.
 
 from __future__ import annotations
 
+import errno
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
@@ -56,9 +57,10 @@ __all__ = [
     "check_deletable",
 ]
 
-#: The key namespaces ckstore writes objects to and may delete from: packs (``docs/format.md``).
-#: The store's config (``ckstore.json``), a local catalog and anything else are never deleted.
-OWNED_PREFIXES = ("packs/",)
+#: The key namespaces ckstore writes objects to and may delete from: packs, and the records a
+#: lost catalog is rebuilt from (``docs/format.md``). The store's config (``ckstore.json``), a
+#: local catalog and anything else are never deleted.
+OWNED_PREFIXES = ("packs/", "records/")
 
 
 class BlobNotFoundError(BlobStoreError, FileNotFoundError):
@@ -114,12 +116,19 @@ class BlobStats:
 
 
 class _CountingWriter:
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: IO[bytes], key: str = "", url: str = "") -> None:
         self._f = f
         self.written = 0
+        self._where = (key, url)
 
     def write(self, data: bytes | memoryview) -> int:
-        n = self._f.write(data)
+        try:
+            n = self._f.write(data)
+        except OSError as e:
+            err = _no_space(e, *self._where)
+            if err is e:
+                raise
+            raise err from e
         m = memoryview(data).nbytes
         self.written += m
         return n if n is not None else m
@@ -141,9 +150,15 @@ class BlobStore(ABC):
     @contextmanager
     def writer(self, key: str) -> Iterator[_CountingWriter]:
         """A file-like object to write ``key``; the object appears when the block ends."""
-        with self._writer(key) as f:
-            w = _CountingWriter(f)
-            yield w
+        try:
+            with self._writer(key) as f:
+                w = _CountingWriter(f, key, self.url)
+                yield w
+        except OSError as e:
+            err = _no_space(e, key, self.url)
+            if err is e:
+                raise
+            raise err from e
         self.stats.add(writes=1, bytes_written=w.written)
 
     def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
@@ -218,6 +233,17 @@ class BlobStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def _no_space(e: OSError, key: str, url: str) -> OSError:
+    """A full disk or quota as a :class:`BlobStoreError` that says what to do; other errors as
+    they are."""
+    if isinstance(e, BlobStoreError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return e
+    return BlobStoreError(
+        f"no space left to write {key} in {url} ({e.strerror}); nothing of what was being written "
+        "became visible. Free space (`ckstore gc` removes what a failed commit wrote) and retry"
+    )
 
 
 def check_key(key: str) -> None:

@@ -32,6 +32,8 @@ from ._engine import describe_database_error, redact
 from ._gc import Candidate, GcMixin, GcTransaction, Swept
 from ._owner import Owner
 from ._queries import CorruptRowWarning
+from ._records import Ident, RecordFacts, RecordsMixin, RestoredChunk
+from ._repack import RepackCandidate, RepackMixin
 from ._rows import ChunkLocation, NewChunk, Pending, aware, utcnow
 from ._survey import CheckpointId, ChunkSpan, PackExtent, Survey
 from ._usage import StoreUsage, Usage, UsageMixin
@@ -45,6 +47,10 @@ __all__ = [
     "ChunkSpan",
     "CorruptRowWarning",
     "GcTransaction",
+    "Ident",
+    "RecordFacts",
+    "RestoredChunk",
+    "RepackCandidate",
     "NewChunk",
     "Owner",
     "PackExtent",
@@ -59,5 +65,5 @@ __all__ = [
 ]
 
 
-class Catalog(CommitMixin, GcMixin, UsageMixin):
+class Catalog(CommitMixin, GcMixin, UsageMixin, RecordsMixin, RepackMixin):
     """The SQL catalog of one store (SQLite or PostgreSQL)."""

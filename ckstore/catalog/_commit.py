@@ -260,12 +260,14 @@ class CommitMixin(RunsMixin):
                     )
                 for name in dict.fromkeys(tags):
                     self._set_tag(conn, row.run_id, name, ckpt_id)
+                # a commit time stamped with the checkpoint's record (stamp_commit_time) is kept
+                stamped = conn.execute(select(CHECKPOINTS.c.committed_at).where(CHECKPOINTS.c.id == ckpt_id)).scalar()
                 conn.execute(
                     update(CHECKPOINTS)
                     .where(CHECKPOINTS.c.id == ckpt_id)
                     .values(
                         status=COMMITTED,
-                        committed_at=utcnow(),
+                        committed_at=utcnow() if stamped is None else aware(stamped),
                         logical_bytes=logical_bytes,
                         stored_bytes_added=stored_bytes_added,
                     )

@@ -27,6 +27,7 @@ from ._rows import (
     owned_by_live_commit,
     run_id,
     unreferenced_chunk,
+    utcnow,
 )
 from ._schema import COMMITTED
 
@@ -149,8 +150,9 @@ class Survey:
         return int(n), int(nbytes)
 
     def trash_keys(self) -> list[str]:
-        """Keys of the objects gc moved to the trash and has yet to delete, sorted."""
-        return sorted(k for (k,) in self._conn.execute(select(TRASH.c.key)))
+        """Keys of the objects gc moved to the trash and has yet to delete, sorted (a trash row's
+        ``created_at`` is when its object may go: a repacked pack waits out the grace period)."""
+        return sorted(k for (k,) in self._conn.execute(select(TRASH.c.key).where(TRASH.c.created_at <= utcnow())))
 
     def unknown_keys(self, keys: Sequence[str]) -> set[str]:
         """The keys in ``keys`` that neither a pack row nor a trash row knows: orphans, when the

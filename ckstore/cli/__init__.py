@@ -35,9 +35,9 @@ def main(ctx: click.Context, store: str | None, catalog: str | None, run: str | 
 
 
 def _register() -> None:
-    from . import _core, _demo, _diff, _gc, _io
+    from . import _core, _demo, _diff, _durability, _gc, _io
 
-    for mod in (_core, _demo, _diff, _gc, _io):
+    for mod in (_core, _demo, _diff, _gc, _io, _durability):
         for cmd in mod.COMMANDS:
             main.add_command(cmd)
 

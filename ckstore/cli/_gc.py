@@ -154,12 +154,16 @@ def render_gc(report: Any) -> None:
 @click.option("--grace", metavar="SECONDS", help="How long a commit may go without a heartbeat, and an unknown "
               "object or temp file sit untouched, before gc treats it as abandoned (default 3600; 15m, 2h work).")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Change nothing; print exactly what gc would do.")
+@click.option("--repack", is_flag=True, help="Also rewrite packs whose bytes are mostly dead (the old ones are "
+              "deleted by a gc after the grace period).")
+@click.option("--min-dead", type=click.FloatRange(0, 1, max_open=True), default=None, metavar="FRACTION",
+              help="With --repack: rewrite packs whose dead fraction exceeds this (default 0.5).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
 @handle_errors
 def gc(obj: Ctx, run_name: str | None, keep_last: int | None, keep_best: tuple[str, ...], keep_every: int | None,
        keep_within: str | None, keep_tagged: bool, keep_kind: tuple[str, ...], grace: str | None, dry_run: bool,
-       as_json: bool) -> None:  # fmt: skip
+       repack: bool, min_dead: float | None, as_json: bool) -> None:  # fmt: skip
     """Drop the checkpoints retention policies release, then free unreferenced chunks.
 
     With --keep-* rules, they replace the stored policy of RUN (or of every run) for this call;
@@ -170,14 +174,22 @@ def gc(obj: Ctx, run_name: str | None, keep_last: int | None, keep_best: tuple[s
     store = obj.open()
     with _progress() as progress:
         report = store.gc(
-            policy, run=run_name, dry_run=dry_run, grace=_grace(grace), progress=progress
-        )
+            policy, run=run_name, dry_run=dry_run, grace=_grace(grace), progress=progress,
+            **({"repack": True, "min_dead": min_dead} if repack else {}),
+        )  # fmt: skip
     if as_json:
         print_json(
             {**_jsonable(report), "dropped": report.dropped, "bytes_freed": report.bytes_freed}
         )
         return
     render_gc(report)
+    rp = getattr(report, "repack", None)
+    if rp is not None:
+        console.print(
+            f"repacked {rp.packs_rewritten} packs ({human_bytes(rp.bytes_before)}) into {rp.packs_written} "
+            f"({human_bytes(rp.bytes_after)}), moving {rp.chunks_moved} chunks; the old packs are deleted by a gc "
+            f"after the grace period; {rp.seconds:.2f}s"
+        )
 
 
 @click.group()
@@ -293,6 +305,15 @@ def _render_fsck(rep: Any) -> None:
         console.print(
             "[bold green]ok[/]: every checkpoint's chunks are "
             + ("intact" if rep.deep else "stored")
+        )
+    rec = rep.records
+    if rec is not None and (rec.unrecorded or rec.unknown or rec.unreadable):
+        console.print(
+            f"records: {len(rec.unrecorded)} checkpoints without a blob-store record"
+            + (f" ({esc(', '.join(rec.unrecorded[:5]))}…; write them with `ckstore recover --backfill-records`)" if rec.unrecorded else "")
+            + f", {len(rec.unknown)} records of checkpoints the catalog lacks (gc removes them; "
+            "`ckstore recover` restores them), "
+            f"{len(rec.unreadable)} unreadable"
         )
     if rep.damaged_unused_chunks:
         console.print(

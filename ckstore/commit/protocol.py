@@ -329,6 +329,11 @@ class _Commit:
             packs = [(pack_id, size, _rows(chunks)) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
             added = sum(self.added) + (catalog.add_packs(self.ckpt_id, self.owner, packs) if packs else 0)
             manifests = [m for _, ms in self.results for m in ms]
+            from ._records import (
+                write_record,  # the blob-store record, durable before the checkpoint is visible
+            )
+
+            write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added)
             ckpt = catalog.finish_checkpoint(
                 self.ckpt_id, self.owner, entries=manifests, metrics=self.args.metrics, tags=self.args.tags,
                 logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=added, replace=replace,

@@ -34,6 +34,7 @@ from .gc import (
     remove_temp_files,
     stale_temp_files,
 )
+from .recover import RecordCheck, check_records
 
 __all__ = ["Damage", "FsckReport", "PendingCommit", "check"]
 
@@ -92,6 +93,8 @@ class FsckReport:
     repaired_pending: tuple[Reaped, ...]
     repaired_temp_files: int
     seconds: float
+    records: RecordCheck | None = None  # catalog against the blob store's records
+
 
     @property
     def ok(self) -> bool:
@@ -315,5 +318,6 @@ def check(
         repaired_pending=fixed_pending,
         repaired_temp_files=fixed_temps,
         seconds=time.perf_counter() - t0,
+        records=check_records(catalog, blobs, cutoff=cutoff, deep=deep),
     )
 

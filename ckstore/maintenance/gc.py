@@ -20,13 +20,15 @@ a real run would do.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from ..blobstore import BlobStore, NotOwnedError
 from ..catalog import Candidate, Catalog, GcTransaction, Owner, Pending, Survey, utcnow
-from ..errors import PolicyError, ProtectedCheckpointError
+from ..errors import PolicyError, ProtectedCheckpointError, StoreConfigError
+from ..format.record import CHECKPOINTS_PREFIX, Identity, checkpoint_key
 from ..records import Checkpoint
 from ..refs import check_name
 from .retention import KeepAll, Policy, policy_from_json, policy_to_json
@@ -105,6 +107,8 @@ class GcReport:
     #: keys that trash rows named outside ckstore's namespaces: refused, left in place and in the
     #: trash table (a damaged or tampered catalog; see ``ckstore fsck``)
     refused: tuple[str, ...] = ()
+    records_deleted: int = 0  # records of checkpoints the catalog no longer has
+    repack: Any = None  # a ckstore.maintenance.repack.RepackReport when asked to repack
 
     @property
     def dropped(self) -> list[str]:
@@ -284,6 +288,20 @@ def _delete_objects(blobs: BlobStore, keys: Sequence[str], phase: str, progress:
     return refused
 
 
+def stale_records(
+    records: Mapping[str, float | None], gone_ids: Collection[Any], after: Mapping[Any, str], cutoff: float
+) -> list[str]:
+    """Listed record keys (``{key: mtime}``, listed before the catalog was read) of checkpoints
+    the catalog no longer has (``after``: what it has): ``gone_ids`` (dropped or deleted while
+    gc ran), or never there and older than ``cutoff`` (a commit that failed after writing its
+    record)."""
+    kept = {checkpoint_key(Identity(*i)) for i in after}
+    gone = {checkpoint_key(Identity(*i)) for i in gone_ids}
+    return sorted(
+        k for k, mtime in records.items() if k not in kept and (k in gone or (mtime is not None and mtime < cutoff))
+    )
+
+
 def remove_temp_files(blobs: BlobStore, handles: Sequence[str]) -> int:
     return blobs.discard_temp_files(handles)
 
@@ -330,6 +348,13 @@ def collect(
     now = utcnow()
     cutoff = time.time() - grace
     listing = list_packs(blobs, progress)  # before any catalog read: see find_orphans
+    records = {i.key: i.mtime for i in blobs.list(CHECKPOINTS_PREFIX)}  # likewise
+    before = catalog.identities()
+    if records and not before and catalog.is_empty():
+        raise StoreConfigError(
+            f"the catalog is empty but the blob store holds {len(records)} checkpoint records: the catalog "
+            "was lost or replaced. Rebuild it first with `ckstore recover`; gc would delete everything"
+        )
 
     with catalog.gc_transaction(dry_run=dry_run) as txn:
         runs = apply_policies(txn, policy, run, now)
@@ -344,11 +369,22 @@ def collect(
         orphans = [k for k in find_orphans(survey, listing, cutoff) if k not in in_trash]
     orphan_bytes = sum(listing[k][0] for k in orphans)
     temps = stale_temp_files(blobs, cutoff, catalog)
+    # the checkpoints gone: those this gc dropped or reaped (a dry run only says so), and any other
+    # that went meanwhile (`ckstore rm`)
+    dropped = {(r.run, d.step) for r in runs for d in r.dropped}
+    reaped_steps = {(p.run, p.step) for p in reaped}
+    after = catalog.identities()
+    gone = {
+        i for i, status in before.items()
+        if i not in after or (i[0], i[1]) in (dropped if status == "committed" else reaped_steps)
+    }  # fmt: skip
+    stale = stale_records(records, gone, {i: s for i, s in after.items() if i not in gone}, cutoff)
 
     refused: list[str] = []
     if not dry_run:
         refused = _delete_objects(blobs, trash_keys, "delete", progress, catalog.forget_trash)
         _delete_objects(blobs, orphans, "orphans", progress)
+        _delete_objects(blobs, stale, "records", None)  # after their checkpoints' rows
         remove_temp_files(blobs, temps)
     trash_keys = [k for k in trash_keys if k not in set(refused)]
 
@@ -366,4 +402,5 @@ def collect(
         grace=grace,
         seconds=time.perf_counter() - t0,
         refused=tuple(refused),
+        records_deleted=len(stale),
     )

@@ -258,14 +258,16 @@ class GcConformance:
         real = store.gc(LatestN(2), grace=0)
         assert not real.dry_run and real.runs == dry.runs and real.reaped == dry.reaped
         fields = ("chunks_freed", "chunk_bytes_freed", "packs_deleted", "pack_bytes_freed",
-                  "orphans_deleted", "orphan_bytes_freed", "temp_files_deleted")  # fmt: skip
+                  "orphans_deleted", "orphan_bytes_freed", "temp_files_deleted", "records_deleted")  # fmt: skip
         assert {f: getattr(real, f) for f in fields} == {f: getattr(dry, f) for f in fields}
         after = objects(store)
         gone = set(before) - set(after)
         assert gone == frees | {dead_key, orphan} and set(after) < set(before)
         assert sum(before[k] for k in gone) == real.bytes_freed
         assert real.orphan_bytes_freed == 100
-        assert store.blobs.stats.deletes == real.packs_deleted + len(real.orphans_deleted)
+        # and the records of the three dropped checkpoints
+        assert real.records_deleted == 3
+        assert store.blobs.stats.deletes == real.packs_deleted + len(real.orphans_deleted) + real.records_deleted
         assert steps(store) == [4, 5] and store.catalog.pending() == []
         for step in (4, 5):
             assert_same(store.checkout(step), state(step))
@@ -299,7 +301,8 @@ class GcConformance:
         report = store.gc(grace=0)
         assert (report.dropped, report.chunks_freed, report.packs_deleted) == ([], 1, 1)
         assert len(frees) == 1
-        assert store.blobs.stats.deletes == 1 and not set(objects(store)) & frees
+        assert report.records_deleted == 1  # exp@2's record
+        assert store.blobs.stats.deletes == 1 + 1 and not set(objects(store)) & frees
         assert frozen in objects(store)
         assert_tidy(store)
 
@@ -375,7 +378,8 @@ class GcConformance:
         report = store.gc(grace=0)
         assert report.chunks_freed == 0 and report.packs_deleted == len(frees)
         assert report.pack_bytes_freed == sum(sizes[k] for k in frees - {first})
-        assert report.orphans_deleted == () and store.blobs.stats.deletes == len(frees)
+        assert report.records_deleted == 1  # exp@2's record
+        assert report.orphans_deleted == () and store.blobs.stats.deletes == len(frees) + 1
         assert set(objects(store)) == set(sizes) - frees
         for step in (1, 3):
             assert_same(store.checkout(step), state(step))

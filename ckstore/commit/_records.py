@@ -1,0 +1,21 @@
+"""The commit protocol's hook that writes a checkpoint's blob-store record
+(:mod:`ckstore.format.recordio`) before the catalog makes it visible."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..catalog import Owner
+from ..format.recordio import write_checkpoint_record
+
+__all__ = ["write_record"]
+
+
+def write_record(ctx: Any, ckpt_id: int, owner: Owner, args: Any, manifests: Sequence[tuple[int, str, bytes, int]], added: int) -> None:
+    """Write the pending checkpoint ``ckpt_id``'s record (``args``: the commit's checked
+    arguments) and stamp its commit time, before it is made visible."""
+    write_checkpoint_record(
+        ctx.blobs, ctx.catalog, ckpt_id, owner, metrics=args.metrics, tags=args.tags, entries=manifests,
+        stored_bytes_added=added,
+    )  # fmt: skip
