@@ -28,9 +28,7 @@ from datetime import datetime
 from ..blobstore import BlobStore
 from ..catalog import Catalog, RestoredChunk
 from ..errors import BlobStoreError, CkstoreError, IntegrityError
-from ..format.codec import HEADER_SIZE, max_frame_length
 from ..format.manifest import Manifest
-from ..format.pack import PACK_HEADER
 from ..format.record import (
     CHECKPOINTS_PREFIX,
     EVENTS_PREFIX,
@@ -86,6 +84,10 @@ class RecordCheck:
 def read_pack_index(blobs: BlobStore, key: str, size: int) -> list[tuple[bytes, int, int, int]]:
     """A pack's index ``[(digest, offset, length, raw_len), …]``, reading only its header and
     tail; every span is checked against the pack's size (:class:`IntegrityError` otherwise)."""
+    # numpy comes with these: not on catalog-only paths (fsck without --deep checks records)
+    from ..format.codec import HEADER_SIZE, max_frame_length
+    from ..format.pack import PACK_HEADER
+
     if size < len(PACK_HEADER) + _FOOTER.size:
         raise IntegrityError(f"pack {key} is {size} bytes, too short to be a pack")
     if blobs.read(key, 0, len(PACK_HEADER)) != PACK_HEADER:
