@@ -15,7 +15,15 @@ from ..errors import CkstoreError, UnsupportedValueError
 from ..format import codec, hashing
 from ..format.manifest import Manifest, ShardSpec, TensorRecord
 from ..format.pack import PackWriter
-from ..format.tensorio import Leaf, dtype_name, flatten, format_path, itemsize, stage_tensors
+from ..format.tensorio import (
+    Leaf,
+    StagingBuffer,
+    dtype_name,
+    flatten,
+    format_path,
+    itemsize,
+    stage_tensors,
+)
 from ..layout import WorldLayout
 from ..refs import MAX_NAME, check_label
 
@@ -24,7 +32,8 @@ __all__ = [
     "StagedTensor",
     "prepare_entries",
     "piece_infos",
-    "stage_and_hash",
+    "stage",
+    "hash_staged",
     "write_missing",
     "build_manifests",
     "MAX_RANK",
@@ -118,22 +127,33 @@ def resolve_entry_shards(entries: Sequence[PreparedEntry], layout: WorldLayout) 
     return resolve_shards(layout, piece_infos(entries))
 
 
-def stage_and_hash(
-    entries: Sequence[PreparedEntry],
-    specs: Mapping[tuple[int, str, str], ShardSpec],
-    chunk_size: int,
-    pool: ThreadPoolExecutor,
-) -> list[StagedTensor]:
-    """Stage every tensor's bytes (zero-copy where possible) and hash its chunks in parallel."""
+def stage(entries: Sequence[PreparedEntry], staging: StagingBuffer | None = None) -> list[StagedTensor]:
+    """Every tensor's bytes: zero-copy views of CPU tensors (accelerator tensors copied to the
+    host), or, with ``staging``, copies in its reusable buffer that outlive later changes to the
+    tensors. Shard placements are filled in by :func:`hash_staged`."""
     staged: list[StagedTensor] = []
     order = [(ei, li) for ei, e in enumerate(entries) for li in range(len(e.leaves))]
-    host = stage_tensors([entries[ei].leaves[li].tensor for ei, li in order])
+    tensors = [entries[ei].leaves[li].tensor for ei, li in order]
+    host = staging.stage(tensors) if staging is not None else stage_tensors(tensors)
     for (ei, li), (t, data) in zip(order, host):
         e = entries[ei]
         path = format_path(e.leaves[li].keys)
-        spec = specs.get((e.rank, e.sub_key, path))
         shape = tuple(int(x) for x in t.shape)
-        staged.append(StagedTensor(ei, li, path, dtype_name(t.dtype), shape, itemsize(t.dtype), t, data, spec))
+        staged.append(StagedTensor(ei, li, path, dtype_name(t.dtype), shape, itemsize(t.dtype), t, data))
+    return staged
+
+
+def hash_staged(
+    entries: Sequence[PreparedEntry],
+    staged: Sequence[StagedTensor],
+    specs: Mapping[tuple[int, str, str], ShardSpec],
+    chunk_size: int,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """Record each staged tensor's shard placement and hash its chunks, in parallel."""
+    for st in staged:
+        e = entries[st.entry]
+        st.shard = specs.get((e.rank, e.sub_key, st.path))
 
     def hash_all(st: StagedTensor) -> list[bytes]:
         n = st.data.nbytes
@@ -143,7 +163,6 @@ def stage_and_hash(
     futures: list[tuple[StagedTensor, Future[list[bytes]]]] = [(st, pool.submit(hash_all, st)) for st in staged]
     for st, fut in futures:
         st.digests = fut.result()
-    return staged
 
 
 #: Chunks below this size go into packs of their own, ahead of the large ones. Small tensors

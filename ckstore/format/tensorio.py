@@ -31,6 +31,7 @@ __all__ = [
     "stored_itemsize",
     "raw_bytes",
     "stage_tensors",
+    "StagingBuffer",
     "to_device",
     "empty_tensor",
     "byte_view",
@@ -127,6 +128,55 @@ def stage_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, memor
     for dev in devices:
         torch.cuda.current_stream(dev).synchronize()
     return [h if isinstance(h, tuple) else raw_bytes(h) for h in host]
+
+
+_ALIGN = 64  # every staged tensor starts on a cache line (and on its own element size)
+
+
+class StagingBuffer:
+    """Reusable host memory that an asynchronous commit copies a state's tensors into.
+
+    :meth:`stage` copies every tensor into one flat byte buffer, each at a 64-byte aligned
+    offset, and hands back contiguous views of it with their raw bytes. The buffer is allocated
+    on the first call and reused by later ones; it grows (a fresh allocation) only when a state
+    no longer fits, so it holds the largest state staged so far: ``nbytes`` is the whole cost.
+    With CUDA present it is pinned, accelerator tensors are copied with asynchronous copies, and
+    each device is synchronised once at the end. The views stay valid until the next ``stage``:
+    the owner must not call it again while a commit still reads them.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buf: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory this buffer holds now."""
+        return 0 if self._buf is None else int(self._buf.numel())
+
+    def stage(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, memoryview]]:
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = None  # release the old one before allocating its successor
+            self._buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.pin_memory)
+        buf = self._buf
+        devices: set[torch.device] = set()
+        out: list[torch.Tensor] = []
+        for t, off in zip(tensors, offsets):
+            src = t.detach().resolve_conj().resolve_neg()
+            n = src.numel() * src.element_size()
+            dst = buf[off : off + n].view(src.dtype).view(src.shape)
+            asynchronous = self.pin_memory and src.device.type == "cuda"
+            dst.copy_(src, non_blocking=asynchronous)
+            if asynchronous:
+                devices.add(src.device)
+            out.append(dst)
+        for dev in devices:
+            torch.cuda.current_stream(dev).synchronize()
+        return [raw_bytes(d) for d in out]
 
 
 def empty_tensor(dtype: torch.dtype, shape: tuple[int, ...], *, pin_memory: bool = False) -> torch.Tensor:
