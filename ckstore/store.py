@@ -25,6 +25,8 @@ from .refs import check_name, parse_ref
 __all__ = ["Store", "RankStates"]
 
 if TYPE_CHECKING:
+    from .checkout.readplan import Box
+    from .checkout.reshard import StoredPiece
     from .commit.pending import AsyncCommits, PendingCommit
     from .commit.protocol import StagedCommit
     from .diff import DiffResult
@@ -317,6 +319,17 @@ class Store:
                 where=f"{where}, {entry.source}, ",
             )  # fmt: skip
         return out
+
+    def read_boxes(self, ckpt: Checkpoint, wanted: Sequence[tuple[Sequence[StoredPiece], Box]]) -> list[Any]:
+        """Read box ``box`` of each global tensor given by its stored pieces (records of
+        :meth:`manifests` of ``ckpt``), fetching only the chunks that overlap it; one tensor each."""
+        from .checkout.reshard import plan_boxes
+
+        sizes = {p.record.dtype: itemsize(dtype_from_name(p.record.dtype)) for pieces, _ in wanted for p in pieces}
+        plan = plan_boxes(wanted, sizes)
+        where = f"run {ckpt.run!r}, step {ckpt.step}"
+        tensors = execute_plan(plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers)
+        return tensors[: len(wanted)]
 
     # -- catalog views ----------------------------------------------------------------------------
     def resolve(self, ref: str | int = "latest", *, run: str | None = None) -> Checkpoint:

@@ -209,14 +209,18 @@ class StagedCommit:
         assert ckpt is not None
         return ckpt
 
-    def write_phases(self) -> None:
+    def write_phases(self, *, settle: bool = False) -> None:
         """Phases 1 (agreement) to 4: after this, every chunk is durable and rank 0 holds every
-        rank's manifests. A failure aborts and raises."""
+        rank's manifests. A failure aborts and raises. With ``settle`` (for callers that finish in
+        a later call, or never when a rank failed) a failure known after the last gather raises
+        now: on the failed rank, and on rank 0 for every rank."""
         try:
             self.declare()
             self.hash()
             self.plan_writes()
             self.write()
+            if settle:
+                self.g.settle("writing chunks", (None, None))
         except BaseException:
             self.abort()
             raise
@@ -416,11 +420,11 @@ class StagedCommit:
 
         try:
             ckpt: Checkpoint | None
-            if not collective:  # the caller tells the other ranks (DCP's coordinator does)
-                ckpt = local() if self.g.rank == 0 else None
-            else:
-                outcome = self.g.attempt(local) if self.g.rank == 0 else (None, None)
+            outcome = self.g.attempt(local) if self.g.rank == 0 else (None, None)
+            if collective:
                 ckpt = self.g.broadcast("making the checkpoint visible", outcome)
+            else:  # the caller tells the other ranks (DCP's coordinator does)
+                ckpt = self.g.settle("making the checkpoint visible", outcome)
         except BaseException:
             self.abort()
             raise
