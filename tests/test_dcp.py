@@ -163,3 +163,27 @@ def test_dcp_one_process_save_load_async_and_store_commit(store: ckstore.Store) 
             dcp.load(target, storage_reader=ckdcp.Reader(store, 4))
         dcp.load(target, storage_reader=ckdcp.Reader(store, 4, allow_pickle=True))
         assert target["obj"]["o"] == complex(1, 2)
+
+
+def test_export_dcp_folder_loads_with_dcps_own_reader(store: ckstore.Store, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckstore.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = _state()
+        dcp.save(state, storage_writer=ckdcp.Writer(store, step=5))
+        out = tmp_path / "exported"
+        res = CliRunner().invoke(main, ["--store", str(store.location), "export", "5", str(out), "--format", "dcp"])
+        assert res.exit_code == 0, res.output
+        assert (out / ".metadata").is_file()
+        # the same state dict loads from the exported folder (DCP's reader) and from the store
+        a = {"model": {"w": torch.zeros(64, 300), "b": torch.zeros(7).half()}, "extra": {"step": 0}}
+        b = {"model": {"w": torch.zeros(64, 300), "b": torch.zeros(7).half()}, "extra": {"step": 0}}
+        dcp.load(a, storage_reader=FileSystemReader(str(out)))
+        dcp.load(b, storage_reader=ckdcp.Reader(store, 5))
+    for s in (a, b):
+        assert bits(s["model"]["w"]) == bits(state["model"]["w"]) and bits(s["model"]["b"]) == bits(state["model"]["b"])
+        assert s["extra"]["step"] == 4
