@@ -110,7 +110,7 @@ class Store:
         tags: Sequence[str] = (), kind: str = "checkpoint", run: str | None = None, replace: bool = False,
         world_layout: WorldLayout | None = None, allow_pickle: bool = False, parent: str | int | None = None,
         process_group: Any = None, progress: Callable[[int, int], None] | None = None,
-        blocking: Literal[True] = True,
+        blocking: Literal[True] = True, stage: str = "all",
     ) -> Checkpoint: ...  # fmt: skip
 
     @overload
@@ -119,7 +119,7 @@ class Store:
         tags: Sequence[str] = (), kind: str = "checkpoint", run: str | None = None, replace: bool = False,
         world_layout: WorldLayout | None = None, allow_pickle: bool = False, parent: str | int | None = None,
         process_group: Any = None, progress: Callable[[int, int], None] | None = None,
-        blocking: Literal[False],
+        blocking: Literal[False], stage: str = "all",
     ) -> PendingCommit: ...  # fmt: skip
 
     def commit(
@@ -138,6 +138,7 @@ class Store:
         process_group: Any = None,
         progress: Callable[[int, int], None] | None = None,
         blocking: bool = True,
+        stage: str = "all",
     ) -> Checkpoint | PendingCommit:
         """Store ``rank_states`` (``{rank: {sub_key: state_dict}}``) as checkpoint ``step`` of a run.
 
@@ -155,7 +156,13 @@ class Store:
         the catalog run in a background thread (see :mod:`ckstore.commit.pending` for memory and
         errors). At most ``max_inflight`` commits are in flight; another waits for a slot. A
         blocking commit first waits for the asynchronous ones (and raises a failure of theirs).
+        ``stage="changed"`` hashes each CPU tensor while staging and copies only those whose
+        bytes differ from what the staging buffer holds from the previous commit through it: it
+        pays when most of the state is unchanged (frozen layers, a model being evaluated) and on
+        machines where memory bandwidth, not hashing, is short.
         """
+        if stage not in ("all", "changed"):
+            raise StoreConfigError(f"stage must be 'all' or 'changed', got {stage!r}")
         if blocking:
             self.wait()
             return self.start_commit(
@@ -171,6 +178,7 @@ class Store:
             lambda staging: self.start_commit(
                 step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace, world_layout=world_layout,
                 allow_pickle=allow_pickle, parent=parent, process_group=group, progress=progress, staging=staging,
+                changed_only=stage == "changed",
             )
         )  # fmt: skip
 
@@ -190,6 +198,7 @@ class Store:
         process_group: Any = None,
         progress: Callable[[int, int], None] | None = None,
         staging: Any = None,
+        changed_only: bool = False,
     ) -> StagedCommit:
         """The first phase of :meth:`commit` in this thread (checked, flattened, staged); the
         returned :class:`~ckstore.commit.protocol.StagedCommit` runs the rest. For integrations
@@ -203,7 +212,7 @@ class Store:
             protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run),
             step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
             world_layout=world_layout, allow_pickle=allow_pickle, parent=partial(commit_parent, self, parent),
-            progress=progress, process_group=process_group, staging=staging,
+            progress=progress, process_group=process_group, staging=staging, changed_only=changed_only,
         )  # fmt: skip
 
     # -- checkout -------------------------------------------------------------------------------

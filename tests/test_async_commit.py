@@ -222,3 +222,25 @@ def test_interpreter_exit_waits_for_commits_in_flight(tmp_path: Path) -> None:
     s = ckstore.open(path, run="r")
     _same(_state(7), s.checkout(7)[0])
     s.close()
+
+
+def test_stage_changed_copies_only_changed_tensors(store: ckstore.Store) -> None:
+    state = _state(0, n=6)
+    assert store.commit(1, {0: state}, blocking=False, stage="changed").wait().step == 1
+    buf = store._async._buffers[0]  # type: ignore[union-attr]
+    assert buf.copied == 7 + 1 and buf.kept == 0  # nothing held yet: every tensor copied (8 tensors)
+    state["model_states"]["w2"].add_(1)
+    snapshot = _copy(state)
+    p = store.commit(2, {0: state}, blocking=False, stage="changed")
+    assert (buf.copied, buf.kept) == (1, 7)  # only the changed tensor was copied
+    state["model_states"]["w2"].zero_()
+    state["model_states"]["w3"].zero_()  # changed after the call: must not leak into step 2
+    p.wait()
+    _same(snapshot, store.checkout(2)[0])
+    assert store.resolve(2).stored_bytes_added < store.resolve(1).stored_bytes_added / 4
+    p = store.commit(3, {0: state}, blocking=False, stage="changed")
+    assert (buf.copied, buf.kept) == (2, 6)
+    p.wait()
+    _same(state, store.checkout(3)[0])
+    with pytest.raises(ckstore.CkstoreError, match="stage"):
+        store.commit(4, {0: state}, blocking=False, stage="some")

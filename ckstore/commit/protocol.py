@@ -137,10 +137,12 @@ def start(
     process_group: Any = None,
     writers: str = "assigned",
     staging: StagingBuffer | None = None,
+    changed_only: bool = False,
 ) -> StagedCommit:
     """The first part of :func:`commit`, in the caller's thread: check the arguments, flatten the
     states and stage their tensors (into ``staging``'s reusable buffer when given, so the caller
-    may change its tensors as soon as this returns; else zero-copy views). Nothing is collective
+    may change its tensors as soon as this returns; else zero-copy views; ``changed_only``: see
+    :func:`ckstore.commit._stage.stage`). Nothing is collective
     and nothing is written yet; :meth:`StagedCommit.complete` runs the rest, in any one thread.
 
     On a group of one a bad argument raises here; on a larger group it is reported to every rank
@@ -151,7 +153,7 @@ def start(
     name = run or ctx.run
     group = bind(process_group, f"commit of run {name!r}, step {step}")
     job = StagedCommit(ctx, group, writers, progress, replace, parent)
-    job.stage(name, step, rank_states, metrics, tags, kind, world_layout, allow_pickle, staging)
+    job.stage(name, step, rank_states, metrics, tags, kind, world_layout, allow_pickle, staging, changed_only)
     return job
 
 
@@ -191,6 +193,7 @@ class StagedCommit:
         self.entries: list[_stage.PreparedEntry] = []
         self.specs: Mapping[tuple[int, str, str], ShardSpec] = {}
         self.staged: list[_stage.StagedTensor] = []
+        self.staging: StagingBuffer | None = None  # the reusable buffer the tensors were copied into
         self.held: dict[bytes, int] = {}  # raw size of every distinct chunk this rank holds
         self.holdings: list[list[tuple[bytes, int]]] | None = None  # rank 0: what every rank holds
         self.mine: tuple[list[bytes], list[tuple[str, int]]] = ([], [])  # chunks to write, pack slots
@@ -251,6 +254,7 @@ class StagedCommit:
         world_layout: WorldLayout | None,
         allow_pickle: bool,
         staging: StagingBuffer | None,
+        changed_only: bool = False,
     ) -> None:
         """Phase 1, this rank's part: check the arguments, flatten, declare the shards, and stage
         the tensors' bytes. No collective: the declaration is exchanged by :meth:`declare`."""
@@ -273,7 +277,10 @@ class StagedCommit:
                 )
             for r in ranks:
                 layout.coords(r)  # a rank outside the layout is an error
-            self.staged = _stage.stage(self.entries, staging)
+            self.staged = _stage.stage(
+                self.entries, staging, changed_only=changed_only, chunk_size=self.cfg.chunk_size, workers=self.ctx.workers
+            )
+            self.staging = staging
             return self.args.run, self.args.step, layout.to_json(), _stage.piece_infos(self.entries)
 
         self.declaration = g.attempt(local)
@@ -313,6 +320,8 @@ class StagedCommit:
                     Heartbeat(catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
                 )
             _stage.hash_staged(self.entries, self.staged, self.specs, cs, self.pool)
+            if self.staging is not None:  # what its places hold now, for the next commit through it
+                self.staging.held = [st.digests for st in self.staged]
             for st in self.staged:
                 for i, d in enumerate(st.digests):
                     self.held.setdefault(d, st.chunk(i, cs).nbytes)

@@ -148,32 +148,56 @@ class StagingBuffer:
     def __init__(self, *, pin_memory: bool | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buf: torch.Tensor | None = None
+        self._layout: list[tuple[int, int]] = []  # (offset, nbytes) of each tensor last staged
+        #: a fingerprint (the chunk digests) of the bytes each tensor's place holds now, where known;
+        #: the owner records them once computed, and :meth:`stage` skips copies they prove needless
+        self.held: list[Any] = []
+        #: how many tensors the last ``stage`` copied, and how many it found already in place
+        self.copied = self.kept = 0
 
     @property
     def nbytes(self) -> int:
         """The host memory this buffer holds now."""
         return 0 if self._buf is None else int(self._buf.numel())
 
-    def stage(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, memoryview]]:
-        offsets, total = [], 0
+    def stage(
+        self, tensors: list[torch.Tensor], fingerprints: list[Any] | None = None
+    ) -> list[tuple[torch.Tensor, memoryview]]:
+        """Copy ``tensors`` in; with ``fingerprints`` (one per tensor, None for unknown), a tensor
+        whose fingerprint equals the one :attr:`held` records for its place is not copied again
+        (its bytes are there already, from the previous commit through this buffer)."""
+        offsets, layout, total = [], [], 0
         for t in tensors:
+            n = t.numel() * t.element_size()
             offsets.append(total)
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            layout.append((total, n))
+            total += -(-n // _ALIGN) * _ALIGN
         if self._buf is None or self._buf.numel() < total:
             self._buf = None  # release the old one before allocating its successor
             self._buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.held = []
+        if layout != self._layout:
+            self.held = []
+        self._layout = layout
+        held = self.held if len(self.held) == len(tensors) else [None] * len(tensors)
+        self.held = [None] * len(tensors)  # until the owner records what it staged
         buf = self._buf
         devices: set[torch.device] = set()
         out: list[torch.Tensor] = []
-        for t, off in zip(tensors, offsets):
+        self.copied = self.kept = 0
+        for i, (t, off) in enumerate(zip(tensors, offsets)):
             src = t.detach().resolve_conj().resolve_neg()
             n = src.numel() * src.element_size()
             dst = buf[off : off + n].view(src.dtype).view(src.shape)
+            out.append(dst)
+            if fingerprints is not None and fingerprints[i] is not None and fingerprints[i] == held[i]:
+                self.kept += 1
+                continue
             asynchronous = self.pin_memory and src.device.type == "cuda"
             dst.copy_(src, non_blocking=asynchronous)
+            self.copied += 1
             if asynchronous:
                 devices.add(src.device)
-            out.append(dst)
         for dev in devices:
             torch.cuda.current_stream(dev).synchronize()
         return [raw_bytes(d) for d in out]
