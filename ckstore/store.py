@@ -52,7 +52,8 @@ class Store:
 
     ``run`` is the default run for commits and refs that do not name one. A store may be used
     from several threads for reads; commits from one process run one at a time per store object.
-    ``max_inflight`` bounds the asynchronous commits in flight (see :meth:`commit`).
+    ``max_inflight`` bounds the asynchronous commits in flight (see :meth:`commit`); set
+    ``store.max_inflight`` before the first asynchronous commit to change it.
     """
 
     def __init__(
