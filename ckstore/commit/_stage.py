@@ -35,6 +35,7 @@ __all__ = [
     "piece_infos",
     "stage",
     "hash_staged",
+    "stage_and_hash",
     "write_missing",
     "build_manifests",
     "MAX_RANK",
@@ -195,6 +196,18 @@ def hash_staged(
     ]
     for st, fut in futures:
         st.digests = fut.result()
+
+
+def stage_and_hash(
+    entries: Sequence[PreparedEntry],
+    specs: Mapping[tuple[int, str, str], ShardSpec],
+    chunk_size: int,
+    pool: ThreadPoolExecutor,
+) -> list[StagedTensor]:
+    """:func:`stage` (zero-copy) then :func:`hash_staged`: the data path of a blocking commit."""
+    staged = stage(entries)
+    hash_staged(entries, staged, specs, chunk_size, pool)
+    return staged
 
 
 #: Chunks below this size go into packs of their own, ahead of the large ones. Small tensors
