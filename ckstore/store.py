@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .blobstore import BlobStore
 from .catalog import Catalog
@@ -22,6 +22,10 @@ from .refs import check_name, parse_ref
 __all__ = ["Store", "RankStates"]
 
 if TYPE_CHECKING:
+    from .checkout.readplan import Box
+    from .checkout.reshard import StoredPiece
+    from .commit.pending import AsyncCommits, PendingCommit
+    from .commit.protocol import StagedCommit
     from .diff import DiffResult
     from .diff.lineage import Ancestor
 
@@ -47,6 +51,8 @@ class Store:
 
     ``run`` is the default run for commits and refs that do not name one. A store may be used
     from several threads for reads; commits from one process run one at a time per store object.
+    ``max_inflight`` bounds the asynchronous commits in flight (see :meth:`commit`); set
+    ``store.max_inflight`` before the first asynchronous commit to change it.
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class Store:
         *,
         run: str | None = None,
         workers: int | None = None,
+        max_inflight: int = 1,
     ) -> None:
         self.location = location
         self.blobs = blobs
@@ -65,6 +72,8 @@ class Store:
         self.config = config
         self.run = check_name("run", run) if run is not None else None
         self.workers = workers or _default_workers()
+        self.max_inflight = max_inflight
+        self._async: AsyncCommits | None = None
 
     def __repr__(self) -> str:
         return f"Store({self.location!r}, run={self.run!r})"
@@ -76,9 +85,43 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        self.catalog.close()
+        """Wait for asynchronous commits in flight (raising a failure not yet raised), then close."""
+        try:
+            if self._async is not None:
+                self._async.close()
+        finally:
+            self.catalog.close()
+
+    def wait(self) -> None:
+        """Wait for every asynchronous commit in flight from this store; raise the first failure
+        not yet raised (by its ``PendingCommit.wait()`` or an earlier call)."""
+        if self._async is not None:
+            self._async.wait()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by the staging buffers of asynchronous commits (see :meth:`commit`)."""
+        return 0 if self._async is None else self._async.staging_bytes
 
     # -- commit ---------------------------------------------------------------------------------
+    @overload
+    def commit(
+        self, step: int, rank_states: RankStates, metrics: Mapping[str, float] | None = None, *,
+        tags: Sequence[str] = (), kind: str = "checkpoint", run: str | None = None, replace: bool = False,
+        world_layout: WorldLayout | None = None, allow_pickle: bool = False, parent: str | int | None = None,
+        process_group: Any = None, progress: Callable[[int, int], None] | None = None,
+        blocking: Literal[True] = True, stage: str = "all",
+    ) -> Checkpoint: ...  # fmt: skip
+
+    @overload
+    def commit(
+        self, step: int, rank_states: RankStates, metrics: Mapping[str, float] | None = None, *,
+        tags: Sequence[str] = (), kind: str = "checkpoint", run: str | None = None, replace: bool = False,
+        world_layout: WorldLayout | None = None, allow_pickle: bool = False, parent: str | int | None = None,
+        process_group: Any = None, progress: Callable[[int, int], None] | None = None,
+        blocking: Literal[False], stage: str = "all",
+    ) -> PendingCommit: ...  # fmt: skip
+
     def commit(
         self,
         step: int,
@@ -94,7 +137,9 @@ class Store:
         parent: str | int | None = None,
         process_group: Any = None,
         progress: Callable[[int, int], None] | None = None,
-    ) -> Checkpoint:
+        blocking: bool = True,
+        stage: str = "all",
+    ) -> Checkpoint | PendingCommit:
         """Store ``rank_states`` (``{rank: {sub_key: state_dict}}``) as checkpoint ``step`` of a run.
 
         The checkpoint becomes visible atomically once every chunk is durable. Inside an
@@ -105,17 +150,69 @@ class Store:
         :class:`~ckstore.Shard` or read from a DTensor's placements; ``world_layout`` names the
         job's mesh (by default the DTensors' device mesh, else every rank along ``dp``).
         ``progress(done_bytes, total_bytes)`` is called as chunks are written.
+
+        With ``blocking=False`` the call returns a :class:`~ckstore.commit.pending.PendingCommit`
+        once the tensors are copied into reusable host buffers; hashing, encoding, writes and
+        the catalog run in a background thread (see :mod:`ckstore.commit.pending` for memory and
+        errors). At most ``max_inflight`` commits are in flight; another waits for a slot. A
+        blocking commit first waits for the asynchronous ones (and raises a failure of theirs).
+        ``stage="changed"`` hashes each CPU tensor while staging and copies only those whose
+        bytes differ from what the staging buffer holds from the previous commit through it: it
+        pays when most of the state is unchanged (frozen layers, a model being evaluated) and on
+        machines where memory bandwidth, not hashing, is short.
         """
+        if stage not in ("all", "changed"):
+            raise StoreConfigError(f"stage must be 'all' or 'changed', got {stage!r}")
+        if blocking:
+            self.wait()
+            return self.start_commit(
+                step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace, world_layout=world_layout,
+                allow_pickle=allow_pickle, parent=parent, process_group=process_group, progress=progress,
+            ).complete()  # fmt: skip
+        if self._async is None:
+            from .commit.pending import AsyncCommits
+
+            self._async = AsyncCommits(self.max_inflight)
+        group = self._async.background_group(process_group)
+        return self._async.submit(
+            lambda staging: self.start_commit(
+                step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace, world_layout=world_layout,
+                allow_pickle=allow_pickle, parent=parent, process_group=group, progress=progress, staging=staging,
+                changed_only=stage == "changed",
+            )
+        )  # fmt: skip
+
+    def start_commit(
+        self,
+        step: int,
+        rank_states: RankStates,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        tags: Sequence[str] = (),
+        kind: str = "checkpoint",
+        run: str | None = None,
+        replace: bool = False,
+        world_layout: WorldLayout | None = None,
+        allow_pickle: bool = False,
+        parent: str | int | None = None,
+        process_group: Any = None,
+        progress: Callable[[int, int], None] | None = None,
+        staging: Any = None,
+        changed_only: bool = False,
+    ) -> StagedCommit:
+        """The first phase of :meth:`commit` in this thread (checked, flattened, staged); the
+        returned :class:`~ckstore.commit.protocol.StagedCommit` runs the rest. For integrations
+        that drive the phases themselves (DCP's storage writer)."""
         from functools import partial
 
         from .commit import protocol
         from .diff.lineage import commit_parent
 
-        return protocol.commit(
+        return protocol.start(
             protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run),
             step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
             world_layout=world_layout, allow_pickle=allow_pickle, parent=partial(commit_parent, self, parent),
-            progress=progress, process_group=process_group,
+            progress=progress, process_group=process_group, staging=staging, changed_only=changed_only,
         )  # fmt: skip
 
     # -- checkout -------------------------------------------------------------------------------
@@ -235,6 +332,17 @@ class Store:
                 where=f"{where}, {entry.source}, ",
             )  # fmt: skip
         return out
+
+    def read_boxes(self, ckpt: Checkpoint, wanted: Sequence[tuple[Sequence[StoredPiece], Box]]) -> list[Any]:
+        """Read box ``box`` of each global tensor given by its stored pieces (records of
+        :meth:`manifests` of ``ckpt``), fetching only the chunks that overlap it; one tensor each."""
+        from .checkout.reshard import plan_boxes
+
+        sizes = {p.record.dtype: itemsize(dtype_from_name(p.record.dtype)) for pieces, _ in wanted for p in pieces}
+        plan = plan_boxes(wanted, sizes)
+        where = f"run {ckpt.run!r}, step {ckpt.step}"
+        tensors = execute_plan(plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers)
+        return tensors[: len(wanted)]
 
     # -- catalog views ----------------------------------------------------------------------------
     def resolve(self, ref: str | int = "latest", *, run: str | None = None) -> Checkpoint:

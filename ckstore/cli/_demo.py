@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import click
 
@@ -38,22 +39,43 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     console.rule(f"[bold]1. training run {esc(run_name)}[/] into {esc(location)}")
     trainer = Trainer(cfg)
 
+    # commits are asynchronous: training goes on while the chunks are hashed, compressed and written
+    pending: list[Any] = []
+    reported = [0]
+
+    def show_commits(wait: bool = False) -> None:  # the finished commits, in order
+        while reported[0] < len(pending) and (wait or pending[reported[0]].done()):
+            p = pending[reported[0]]
+            ck = p.wait()
+            console.print(
+                f"          committed {esc(ck.ref)} ({ck.kind}): {ck.logical_bytes / 2**20:.1f} MiB logical, "
+                f"{ck.stored_bytes_added / 2**20:.2f} MiB new; training blocked {p.blocked_seconds * 1000:.0f} ms, "
+                f"commit took {p.seconds:.2f}s"
+            )
+            reported[0] += 1
+
     def commit(step: int, metrics: dict[str, float]) -> None:
         epoch = step % cfg.epoch_every == 0
-        t0 = time.perf_counter()
-        ck = store.commit(
-            step,
-            {0: trainer.state()},
-            metrics,
-            kind="epoch" if epoch else "recovery",
-            tags=[f"epoch-{step // cfg.epoch_every}"] if epoch else [],
+        pending.append(
+            store.commit(
+                step,
+                {0: trainer.state()},
+                metrics,
+                kind="epoch" if epoch else "recovery",
+                tags=[f"epoch-{step // cfg.epoch_every}"] if epoch else [],
+                blocking=False,
+            )
         )
-        console.print(
-            f"          committed {esc(ck.ref)} ({ck.kind}) in {time.perf_counter() - t0:.2f}s: "
-            f"{ck.logical_bytes / 2**20:.1f} MiB logical, {ck.stored_bytes_added / 2**20:.2f} MiB new"
-        )
+        show_commits()
 
     train(trainer, cfg.steps, commit, cfg.commit_every, log=console.print)
+    show_commits(wait=True)
+    blocked = sum(p.blocked_seconds for p in pending)
+    took = sum(p.seconds or 0.0 for p in pending)
+    console.print(
+        f"{len(pending)} asynchronous commits: training was blocked {blocked:.2f}s in total, while the commits "
+        f"took {took:.2f}s (staging buffers: {store.staging_bytes / 2**20:.1f} MiB, reused by every commit)"
+    )
 
     console.rule("[bold]2. the run's log[/]")
     console.print(log_table(store, run_name, store.checkpoints(run_name)))

@@ -91,7 +91,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.step += 1
-        return float(loss)
+        return float(loss.detach())
 
     @torch.no_grad()
     def val_loss(self, batches: int = 4) -> float:

@@ -15,7 +15,16 @@ from ..errors import CkstoreError, UnsupportedValueError
 from ..format import codec, hashing
 from ..format.manifest import Manifest, ShardSpec, TensorRecord
 from ..format.pack import PackWriter
-from ..format.tensorio import Leaf, dtype_name, flatten, format_path, itemsize, stage_tensors
+from ..format.tensorio import (
+    Leaf,
+    StagingBuffer,
+    dtype_name,
+    flatten,
+    format_path,
+    itemsize,
+    raw_bytes,
+    stage_tensors,
+)
 from ..layout import WorldLayout
 from ..refs import MAX_NAME, check_label
 
@@ -24,6 +33,8 @@ __all__ = [
     "StagedTensor",
     "prepare_entries",
     "piece_infos",
+    "stage",
+    "hash_staged",
     "stage_and_hash",
     "write_missing",
     "build_manifests",
@@ -54,6 +65,7 @@ class StagedTensor:
     data: memoryview
     shard: ShardSpec | None = None
     digests: list[bytes] = field(default_factory=list)
+    hashed: bool = False  # digests computed while staging (of the same bytes)
 
     def chunk(self, i: int, chunk_size: int) -> memoryview:
         return self.data[i * chunk_size : (i + 1) * chunk_size]
@@ -118,31 +130,83 @@ def resolve_entry_shards(entries: Sequence[PreparedEntry], layout: WorldLayout) 
     return resolve_shards(layout, piece_infos(entries))
 
 
-def stage_and_hash(
+def stage(
     entries: Sequence[PreparedEntry],
+    staging: StagingBuffer | None = None,
+    *,
+    changed_only: bool = False,
+    chunk_size: int = 0,
+    workers: int = 1,
+) -> list[StagedTensor]:
+    """Every tensor's bytes: zero-copy views of CPU tensors (accelerator tensors copied to the
+    host), or, with ``staging``, copies in its reusable buffer that outlive later changes to the
+    tensors. Shard placements are filled in by :func:`hash_staged`.
+
+    ``changed_only`` (with ``staging``): hash each CPU tensor's chunks here, in parallel, and copy
+    only the tensors whose digests differ from those of the bytes the buffer already holds in
+    their place (from the previous commit through it); the digests are kept, not computed again.
+    """
+    staged: list[StagedTensor] = []
+    order = [(ei, li) for ei, e in enumerate(entries) for li in range(len(e.leaves))]
+    tensors = [entries[ei].leaves[li].tensor for ei, li in order]
+    digests: list[Any] | None = None
+    if staging is not None and changed_only:
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckstore-stage") as pool:
+            digests = list(pool.map(lambda t: _live_digests(t, chunk_size), tensors))
+    host = staging.stage(tensors, digests) if staging is not None else stage_tensors(tensors)
+    for i, ((ei, li), (t, data)) in enumerate(zip(order, host)):
+        e = entries[ei]
+        path = format_path(e.leaves[li].keys)
+        shape = tuple(int(x) for x in t.shape)
+        st = StagedTensor(ei, li, path, dtype_name(t.dtype), shape, itemsize(t.dtype), t, data)
+        if digests is not None and digests[i] is not None:
+            st.digests, st.hashed = digests[i], True
+        staged.append(st)
+    return staged
+
+
+def _live_digests(t: Any, chunk_size: int) -> list[bytes] | None:
+    """The chunk digests of a contiguous CPU tensor as it is now (None for any other tensor)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    _, data = raw_bytes(t)
+    n = data.nbytes
+    return [hashing.digest(data[i * chunk_size : (i + 1) * chunk_size]) for i in range(-(-n // chunk_size))]
+
+
+def hash_staged(
+    entries: Sequence[PreparedEntry],
+    staged: Sequence[StagedTensor],
     specs: Mapping[tuple[int, str, str], ShardSpec],
     chunk_size: int,
     pool: ThreadPoolExecutor,
-) -> list[StagedTensor]:
-    """Stage every tensor's bytes (zero-copy where possible) and hash its chunks in parallel."""
-    staged: list[StagedTensor] = []
-    order = [(ei, li) for ei, e in enumerate(entries) for li in range(len(e.leaves))]
-    host = stage_tensors([entries[ei].leaves[li].tensor for ei, li in order])
-    for (ei, li), (t, data) in zip(order, host):
-        e = entries[ei]
-        path = format_path(e.leaves[li].keys)
-        spec = specs.get((e.rank, e.sub_key, path))
-        shape = tuple(int(x) for x in t.shape)
-        staged.append(StagedTensor(ei, li, path, dtype_name(t.dtype), shape, itemsize(t.dtype), t, data, spec))
+) -> None:
+    """Record each staged tensor's shard placement and hash its chunks, in parallel."""
+    for st in staged:
+        e = entries[st.entry]
+        st.shard = specs.get((e.rank, e.sub_key, st.path))
 
     def hash_all(st: StagedTensor) -> list[bytes]:
         n = st.data.nbytes
         return [hashing.digest(st.chunk(i, chunk_size)) for i in range(-(-n // chunk_size))]
 
     # one task per tensor: xxh3 releases the GIL, so tensors hash in parallel
-    futures: list[tuple[StagedTensor, Future[list[bytes]]]] = [(st, pool.submit(hash_all, st)) for st in staged]
+    futures: list[tuple[StagedTensor, Future[list[bytes]]]] = [
+        (st, pool.submit(hash_all, st)) for st in staged if not st.hashed
+    ]
     for st, fut in futures:
         st.digests = fut.result()
+
+
+def stage_and_hash(
+    entries: Sequence[PreparedEntry],
+    specs: Mapping[tuple[int, str, str], ShardSpec],
+    chunk_size: int,
+    pool: ThreadPoolExecutor,
+) -> list[StagedTensor]:
+    """:func:`stage` (zero-copy) then :func:`hash_staged`: the data path of a blocking commit."""
+    staged = stage(entries)
+    hash_staged(entries, staged, specs, chunk_size, pool)
     return staged
 
 

@@ -121,6 +121,11 @@ class Group:
         """Rank 0 sends one value to every rank."""
         return outcome[1]
 
+    def settle(self, step: str, outcome: Outcome) -> Any:
+        """End a step without a collective (the caller tells the other ranks, as DCP does): this
+        rank's value, or raise the failures this rank knows of (its own; on rank 0 every rank's)."""
+        return outcome[1]
+
 
 class DistGroup(Group):
     """A torch.distributed process group. Each collective carries every rank's success or error
@@ -188,6 +193,13 @@ class DistGroup(Group):
         failures, value = box[0]
         self._check(failures)
         return value
+
+    def settle(self, step: str, outcome: Outcome) -> Any:
+        failures = self._pending(outcome[0]) if self.rank == 0 else {}
+        if self.error is not None:
+            failures[self.rank] = _describe(self.error)
+        self._check(failures)
+        return outcome[1]
 
     def _pending(self, own: str | None) -> dict[int, str]:
         failures = dict(self.failures)

@@ -5,23 +5,26 @@ collective.Group`); inside a distributed job every rank calls :meth:`ckstore.Sto
 its own states (``{rank: states}``, its rank in the group) and the call is a collective. Who does
 what, in order:
 
-1. every rank   checks the commit's arguments, flattens its states and declares its shards
-                (DTensors included); nothing is written before this step has passed everywhere
-   all-gather   the declarations: every rank derives the same global shapes and offsets (an
+1. every rank   checks the commit's arguments, flattens its states, declares its shards
+                (DTensors included) and stages its tensors' bytes (``stage``: the only phase that
+                runs in the caller's thread; an asynchronous commit copies them into reusable
+                host buffers here and runs everything below in a background thread); nothing is
+                written before this step has passed everywhere
+   all-gather   the declarations (``declare``): every rank derives the same global shapes and offsets (an
                 inconsistent declaration raises the same error on every rank)
-2. rank 0       opens the pending checkpoint and keeps its lease alive until the end
-   every rank   stages its tensors and hashes their chunks
+2. rank 0       opens the pending checkpoint and keeps its lease alive until the end (``hash``)
+   every rank   hashes its staged chunks
    gather       each rank's chunk digests and sizes, to rank 0
-3. rank 0       references the chunks the store already has; picks exactly one writer among the
+3. rank 0       references the chunks the store already has (``plan_writes``); picks exactly one writer among the
                 ranks holding each missing chunk (runs of consecutive chunks, balanced by bytes),
                 so data-parallel replicas are written once in total; records the keys of the
                 packs every other rank may need, before any is written
    scatter      to each rank: the chunks it writes and its pack keys
-4. every rank   encodes its chunks and writes its packs straight to the blob store, in parallel;
+4. every rank   encodes its chunks and writes its packs (``write``) straight to the blob store, in parallel;
                 rank 0 records each of its own packs before writing it and its chunks once written
    gather       each rank's packs and manifests, to rank 0
 5. rank 0       records the other ranks' packs' chunks, then makes the checkpoint visible in one
-                transaction
+                transaction (``finish``)
    broadcast    the checkpoint, or the error: every rank returns the same record
 
 Only rank 0 talks to the catalog. Rank 0 checks its lease before each of its steps and before
@@ -59,14 +62,16 @@ from ..errors import (
 from ..format.codec import HEADER_SIZE
 from ..format.manifest import ShardSpec
 from ..format.pack import PACK_HEADER, PackedChunk, PackWriter, new_pack_key
+from ..format.tensorio import StagingBuffer
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from . import _stage
 from ._arguments import CommitArguments, check_arguments
+from ._records import write_record
 from .collective import Group, bind
 from .dtensor import DTensorLeaves, default_layout
 
-__all__ = ["CommitContext", "commit", "assign_writers", "Heartbeat", "WRITERS"]
+__all__ = ["CommitContext", "commit", "start", "StagedCommit", "assign_writers", "Heartbeat", "WRITERS"]
 
 #: Who writes a chunk several ranks hold: "assigned" (one rank, picked by rank 0) or "all"
 #: (every holder writes its copy; later copies are dead bytes in their packs until gc).
@@ -110,35 +115,77 @@ def commit(
     runs on rank 0 only, before the pending checkpoint is opened. The checkpoint records rank 0's
     metrics and tags. ``progress(done, total)`` counts the bytes this rank writes.
     """
+    return start(
+        ctx, step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace, world_layout=world_layout,
+        allow_pickle=allow_pickle, parent=parent, progress=progress, process_group=process_group, writers=writers,
+    ).complete()  # fmt: skip
+
+
+def start(
+    ctx: CommitContext,
+    step: int,
+    rank_states: Any,
+    metrics: Mapping[str, Any] | None = None,
+    *,
+    tags: Sequence[str] = (),
+    kind: str = "checkpoint",
+    run: str | None = None,
+    replace: bool = False,
+    world_layout: WorldLayout | None = None,
+    allow_pickle: bool = False,
+    parent: Callable[[str], int | None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    process_group: Any = None,
+    writers: str = "assigned",
+    staging: StagingBuffer | None = None,
+    changed_only: bool = False,
+) -> StagedCommit:
+    """The first part of :func:`commit`, in the caller's thread: check the arguments, flatten the
+    states and stage their tensors (into ``staging``'s reusable buffer when given, so the caller
+    may change its tensors as soon as this returns; else zero-copy views; ``changed_only``: see
+    :func:`ckstore.commit._stage.stage`). Nothing is collective
+    and nothing is written yet; :meth:`StagedCommit.complete` runs the rest, in any one thread.
+
+    On a group of one a bad argument raises here; on a larger group it is reported to every rank
+    by the first collective of ``complete`` (every rank's ``complete`` raises).
+    """
     if writers not in WRITERS:
         raise CkstoreError(f"writers must be one of {WRITERS}, got {writers!r}")
     name = run or ctx.run
     group = bind(process_group, f"commit of run {name!r}, step {step}")
-    job = _Commit(ctx, group, writers, progress)
-    try:
-        with ExitStack() as stack:  # the heartbeat and the thread pool, stopped before an abort
-            job.declare(stack, name, step, rank_states, metrics, tags, kind, world_layout, allow_pickle)
-            job.hash(stack, replace, parent)
-            job.plan_writes()
-            job.write()
-            return job.finish(replace)
-    except BaseException:
-        job.abort()
-        raise
+    job = StagedCommit(ctx, group, writers, progress, replace, parent)
+    job.stage(name, step, rank_states, metrics, tags, kind, world_layout, allow_pickle, staging, changed_only)
+    return job
 
 
-class _Commit:
-    """One rank's side of a commit, one method per step of the module docstring."""
+class StagedCommit:
+    """One rank's side of a commit, one method per phase of the module docstring.
+
+    :meth:`stage` (phase 1's local part) runs in the caller's thread; :meth:`complete` runs every
+    later phase, in order, and aborts on any failure. Integrations that must split the last phase
+    off (DCP's coordinator finishes in a later call) run :meth:`write_phases` and then
+    :meth:`finish` themselves, and :meth:`abort` when they give up.
+    """
 
     def __init__(
-        self, ctx: CommitContext, group: Group, writers: str, progress: Callable[[int, int], None] | None
+        self,
+        ctx: CommitContext,
+        group: Group,
+        writers: str,
+        progress: Callable[[int, int], None] | None,
+        replace: bool,
+        parent: Callable[[str], int | None] | None,
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.config
         self.g = group
         self.writers = writers
         self.progress = progress
+        self.replace = replace
+        self.parent = parent
         self.owner = Owner.me()
+        self.stack = ExitStack()  # the heartbeat and the thread pool, stopped before an abort
+        self.declaration: Any = (None, None)  # this rank's outcome of phase 1's local part
         self.args: CommitArguments | None = None
         self.layout: WorldLayout | None = None
         self.ckpt_id: int | None = None  # rank 0: the pending checkpoint
@@ -147,13 +194,44 @@ class _Commit:
         self.entries: list[_stage.PreparedEntry] = []
         self.specs: Mapping[tuple[int, str, str], ShardSpec] = {}
         self.staged: list[_stage.StagedTensor] = []
+        self.staging: StagingBuffer | None = None  # the reusable buffer the tensors were copied into
         self.held: dict[bytes, int] = {}  # raw size of every distinct chunk this rank holds
         self.holdings: list[list[tuple[bytes, int]]] | None = None  # rank 0: what every rank holds
         self.mine: tuple[list[bytes], list[tuple[str, int]]] = ([], [])  # chunks to write, pack slots
         self.results: list[Any] | None = None  # rank 0: every rank's packs and manifests
         self.added: list[int] = []  # rank 0: stored bytes each of its own packs added
 
+    @property
+    def what(self) -> str:
+        """The commit as messages name it: "commit of run 'exp', step 3"."""
+        return self.g.what
+
+    def complete(self) -> Checkpoint:
+        """Every phase after staging; the checkpoint, the same on every rank."""
+        self.write_phases()
+        ckpt = self.finish()
+        assert ckpt is not None
+        return ckpt
+
+    def write_phases(self, *, settle: bool = False) -> None:
+        """Phases 1 (agreement) to 4: after this, every chunk is durable and rank 0 holds every
+        rank's manifests. A failure aborts and raises. With ``settle`` (for callers that finish in
+        a later call, or never when a rank failed) a failure known after the last gather raises
+        now: on the failed rank, and on rank 0 for every rank."""
+        try:
+            self.declare()
+            self.hash()
+            self.plan_writes()
+            self.write()
+            if settle:
+                self.g.settle("writing chunks", (None, None))
+        except BaseException:
+            self.abort()
+            raise
+
     def abort(self) -> None:
+        """Stop the heartbeat and the thread pool, then (rank 0) abort the pending checkpoint."""
+        self.stack.close()
         if self.ckpt_id is None:
             return
         try:
@@ -166,9 +244,8 @@ class _Commit:
         if self.heartbeat is not None:
             self.heartbeat.check()
 
-    def declare(
+    def stage(
         self,
-        stack: ExitStack,
         run: str | None,
         step: int,
         rank_states: Any,
@@ -177,9 +254,11 @@ class _Commit:
         kind: str,
         world_layout: WorldLayout | None,
         allow_pickle: bool,
+        staging: StagingBuffer | None,
+        changed_only: bool = False,
     ) -> None:
-        """Step 1: check the arguments, flatten, agree on run, step and layout, and derive every
-        shard's placement."""
+        """Phase 1, this rank's part: check the arguments, flatten, declare the shards, and stage
+        the tensors' bytes. No collective: the declaration is exchanged by :meth:`declare`."""
         g = self.g
 
         def local() -> tuple[Any, ...]:
@@ -199,9 +278,18 @@ class _Commit:
                 )
             for r in ranks:
                 layout.coords(r)  # a rank outside the layout is an error
+            self.staged = _stage.stage(
+                self.entries, staging, changed_only=changed_only, chunk_size=self.cfg.chunk_size, workers=self.ctx.workers
+            )
+            self.staging = staging
             return self.args.run, self.args.step, layout.to_json(), _stage.piece_infos(self.entries)
 
-        declared = g.all_gather("declaring shards", g.attempt(local))
+        self.declaration = g.attempt(local)
+
+    def declare(self) -> None:
+        """Phase 1, together: agree on run, step and layout, and derive every shard's placement."""
+        g = self.g
+        declared = g.all_gather("declaring shards", self.declaration)
         first = declared[0]
         for r, d in enumerate(declared):
             if d[:3] != first[:3]:
@@ -213,10 +301,10 @@ class _Commit:
         # the same inputs on every rank: an inconsistent declaration raises the same error everywhere
         self.layout = WorldLayout.from_json(first[2])
         self.specs = resolve_shards(self.layout, [p for d in declared for p in d[3]])
-        self.pool = stack.enter_context(ThreadPoolExecutor(self.ctx.workers, thread_name_prefix="ckstore-commit"))
+        self.pool = self.stack.enter_context(ThreadPoolExecutor(self.ctx.workers, thread_name_prefix="ckstore-commit"))
 
-    def hash(self, stack: ExitStack, replace: bool, parent: Callable[[str], int | None] | None) -> None:
-        """Step 2: rank 0 opens the pending checkpoint; every rank stages and hashes its chunks;
+    def hash(self) -> None:
+        """Phase 2: rank 0 opens the pending checkpoint; every rank hashes its staged chunks;
         rank 0 learns what every rank holds."""
         g, cs = self.g, self.cfg.chunk_size
 
@@ -224,15 +312,17 @@ class _Commit:
             assert self.pool is not None and self.args is not None and self.layout is not None
             if g.rank == 0:
                 a, catalog = self.args, self.ctx.catalog
-                parent_id = parent(a.run) if parent is not None else None
+                parent_id = self.parent(a.run) if self.parent is not None else None
                 self.ckpt_id = catalog.begin_checkpoint(
-                    a.run, a.step, kind=a.kind, replace=replace, owner=self.owner, world_layout=self.layout,
+                    a.run, a.step, kind=a.kind, replace=self.replace, owner=self.owner, world_layout=self.layout,
                     lease_seconds=self.cfg.lease_seconds, parent_checkpoint_id=parent_id,
                 )  # fmt: skip
-                self.heartbeat = stack.enter_context(
+                self.heartbeat = self.stack.enter_context(
                     Heartbeat(catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
                 )
-            self.staged = _stage.stage_and_hash(self.entries, self.specs, cs, self.pool)
+            _stage.hash_staged(self.entries, self.staged, self.specs, cs, self.pool)
+            if self.staging is not None:  # what its places hold now, for the next commit through it
+                self.staging.held = [st.digests for st in self.staged]
             for st in self.staged:
                 for i, d in enumerate(st.digests):
                     self.held.setdefault(d, st.chunk(i, cs).nbytes)
@@ -319,8 +409,10 @@ class _Commit:
 
         self.results = g.gather("writing chunks", g.attempt(local))
 
-    def finish(self, replace: bool) -> Checkpoint:
-        """Step 5: rank 0 records every pack's chunks and makes the checkpoint visible."""
+    def finish(self, *, collective: bool = True) -> Checkpoint | None:
+        """Phase 5: rank 0 records every pack's chunks and makes the checkpoint visible; with
+        ``collective`` every rank returns it (else rank 0 alone, the others None). A failure aborts
+        and raises."""
 
         def local() -> Checkpoint:
             assert self.results is not None and self.ckpt_id is not None and self.args is not None
@@ -329,20 +421,26 @@ class _Commit:
             packs = [(pack_id, size, _rows(chunks)) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
             added = sum(self.added) + (catalog.add_packs(self.ckpt_id, self.owner, packs) if packs else 0)
             manifests = [m for _, ms in self.results for m in ms]
-            from ._records import (
-                write_record,  # the blob-store record, durable before the checkpoint is visible
-            )
-
+            # the checkpoint's record in the blob store, durable before the checkpoint is visible
             write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added)
             ckpt = catalog.finish_checkpoint(
                 self.ckpt_id, self.owner, entries=manifests, metrics=self.args.metrics, tags=self.args.tags,
-                logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=added, replace=replace,
+                logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=added, replace=self.replace,
             )  # fmt: skip
             self.ckpt_id = None  # visible now: nothing to abort
             return ckpt
 
-        outcome = self.g.attempt(local) if self.g.rank == 0 else (None, None)
-        ckpt: Checkpoint = self.g.broadcast("making the checkpoint visible", outcome)
+        try:
+            ckpt: Checkpoint | None
+            outcome = self.g.attempt(local) if self.g.rank == 0 else (None, None)
+            if collective:
+                ckpt = self.g.broadcast("making the checkpoint visible", outcome)
+            else:  # the caller tells the other ranks (DCP's coordinator does)
+                ckpt = self.g.settle("making the checkpoint visible", outcome)
+        except BaseException:
+            self.abort()
+            raise
+        self.stack.close()
         return ckpt
 
 

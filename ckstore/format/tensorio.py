@@ -31,6 +31,7 @@ __all__ = [
     "stored_itemsize",
     "raw_bytes",
     "stage_tensors",
+    "StagingBuffer",
     "to_device",
     "empty_tensor",
     "byte_view",
@@ -127,6 +128,79 @@ def stage_tensors(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, memor
     for dev in devices:
         torch.cuda.current_stream(dev).synchronize()
     return [h if isinstance(h, tuple) else raw_bytes(h) for h in host]
+
+
+_ALIGN = 64  # every staged tensor starts on a cache line (and on its own element size)
+
+
+class StagingBuffer:
+    """Reusable host memory that an asynchronous commit copies a state's tensors into.
+
+    :meth:`stage` copies every tensor into one flat byte buffer, each at a 64-byte aligned
+    offset, and hands back contiguous views of it with their raw bytes. The buffer is allocated
+    on the first call and reused by later ones; it grows (a fresh allocation) only when a state
+    no longer fits, so it holds the largest state staged so far: ``nbytes`` is the whole cost.
+    With CUDA present it is pinned, accelerator tensors are copied with asynchronous copies, and
+    each device is synchronised once at the end. The views stay valid until the next ``stage``:
+    the owner must not call it again while a commit still reads them.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buf: torch.Tensor | None = None
+        self._layout: list[tuple[int, int]] = []  # (offset, nbytes) of each tensor last staged
+        #: a fingerprint (the chunk digests) of the bytes each tensor's place holds now, where known;
+        #: the owner records them once computed, and :meth:`stage` skips copies they prove needless
+        self.held: list[Any] = []
+        #: how many tensors the last ``stage`` copied, and how many it found already in place
+        self.copied = self.kept = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory this buffer holds now."""
+        return 0 if self._buf is None else int(self._buf.numel())
+
+    def stage(
+        self, tensors: list[torch.Tensor], fingerprints: list[Any] | None = None
+    ) -> list[tuple[torch.Tensor, memoryview]]:
+        """Copy ``tensors`` in; with ``fingerprints`` (one per tensor, None for unknown), a tensor
+        whose fingerprint equals the one :attr:`held` records for its place is not copied again
+        (its bytes are there already, from the previous commit through this buffer)."""
+        offsets, layout, total = [], [], 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            offsets.append(total)
+            layout.append((total, n))
+            total += -(-n // _ALIGN) * _ALIGN
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = None  # release the old one before allocating its successor
+            self._buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.held = []
+        if layout != self._layout:
+            self.held = []
+        self._layout = layout
+        held = self.held if len(self.held) == len(tensors) else [None] * len(tensors)
+        self.held = [None] * len(tensors)  # until the owner records what it staged
+        buf = self._buf
+        devices: set[torch.device] = set()
+        out: list[torch.Tensor] = []
+        self.copied = self.kept = 0
+        for i, (t, off) in enumerate(zip(tensors, offsets)):
+            src = t.detach().resolve_conj().resolve_neg()
+            n = src.numel() * src.element_size()
+            dst = buf[off : off + n].view(src.dtype).view(src.shape)
+            out.append(dst)
+            if fingerprints is not None and fingerprints[i] is not None and fingerprints[i] == held[i]:
+                self.kept += 1
+                continue
+            asynchronous = self.pin_memory and src.device.type == "cuda"
+            dst.copy_(src, non_blocking=asynchronous)
+            self.copied += 1
+            if asynchronous:
+                devices.add(src.device)
+        for dev in devices:
+            torch.cuda.current_stream(dev).synchronize()
+        return [raw_bytes(d) for d in out]
 
 
 def empty_tensor(dtype: torch.dtype, shape: tuple[int, ...], *, pin_memory: bool = False) -> torch.Tensor:

@@ -4,7 +4,10 @@ Formats: ``torch`` (a ``torch.save`` file), ``safetensors`` (a ``.safetensors`` 
 (a PyTorch Distributed Checkpoint folder); ``deepspeed`` folders are handed to
 :mod:`ckstore.integrations.deepspeed`. Imports commit into a store like any other
 checkpoint, so re-importing the same weights stores nothing new; exports check out a checkpoint
-(consolidated to one rank when it was sharded) and write it in the chosen format.
+(consolidated to one rank when it was sharded) and write it in the chosen format. A ``dcp``
+export holds ``{sub_key: state_dict}``, so DCP's own ``FileSystemReader`` loads it with the same
+keys as :class:`ckstore.integrations.dcp.Reader` reads from the store (DCP's storage writer and
+reader on the store itself live in :mod:`ckstore.integrations.dcp`).
 
 Imported files are untrusted: no import unpickles anything unless the caller passes
 ``allow_pickle=True`` (``--allow-pickle``), see :func:`read_checkpoint`.

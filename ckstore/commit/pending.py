@@ -1,0 +1,236 @@
+"""Asynchronous commits: the commit protocol with staging split from the rest.
+
+``Store.commit(..., blocking=False)`` runs the protocol's first phase (:meth:`~ckstore.commit.
+protocol.StagedCommit.stage`: check, flatten, copy every tensor into a reusable host buffer) in
+the caller's thread and returns a :class:`PendingCommit`; one background thread per store then
+runs the remaining phases (hash, plan, write, finish) of each staged commit, in the order they
+were made. The caller may change its tensors as soon as ``commit`` returns.
+
+Memory: each in-flight commit owns one :class:`~ckstore.format.tensorio.StagingBuffer`, as large
+as the largest state it staged (its tensors' bytes, each rounded up to 64 bytes). At most
+``max_inflight`` commits are in flight (staged and not yet finished), so staging holds at most
+``max_inflight`` times the state's size; a further ``commit`` waits for a slot. Buffers are
+reused across commits, never allocated per checkpoint.
+
+Errors never vanish: a failed commit raises from its :meth:`PendingCommit.wait`, and, until it was
+raised once, from the store's next ``commit``, :meth:`AsyncCommits.wait` (``Store.wait``) and
+``close``; at interpreter exit an ``atexit`` handler waits for commits still in flight, saying
+which, and prints any failure. A failed commit is aborted by the protocol: nothing of it becomes
+visible.
+
+In a torch.distributed job every rank commits asynchronously alike; the background phases run
+their collectives on a gloo process group of their own (created once per store and group, as
+DCP's ``async_save`` does), so they never interleave with the training's collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CkstoreError
+from ..format.tensorio import StagingBuffer
+from ..records import Checkpoint
+from .protocol import StagedCommit
+
+__all__ = ["PendingCommit", "AsyncCommits"]
+
+
+class PendingCommit:
+    """A commit running in the background. ``wait()`` returns its checkpoint or raises its error."""
+
+    def __init__(self, what: str, blocked_seconds: float) -> None:
+        self.what = what  # "commit of run 'exp', step 3"
+        #: how long ``commit`` blocked the caller (staging included)
+        self.blocked_seconds = blocked_seconds
+        #: from the call to the checkpoint becoming visible (None while in flight)
+        self.seconds: float | None = None
+        self._started = time.perf_counter() - blocked_seconds
+        self._done = threading.Event()
+        self._result: Checkpoint | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def __repr__(self) -> str:
+        state = "in flight" if not self.done() else ("failed" if self._error else "done")
+        return f"PendingCommit({self.what}, {state})"
+
+    def done(self) -> bool:
+        """Whether the commit has finished (successfully or not); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Checkpoint:
+        """Wait for the commit; its checkpoint, or its error raised here."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.what} is still in flight after {timeout}s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def _finish(self, result: Checkpoint | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self.seconds = time.perf_counter() - self._started
+        self._done.set()
+
+    def _unreported(self) -> BaseException | None:
+        return self._error if self._done.is_set() and not self._reported else None
+
+
+class AsyncCommits:
+    """A store's asynchronous commits: staging slots, the background thread, error reporting."""
+
+    def __init__(self, max_inflight: int = 1) -> None:
+        if not isinstance(max_inflight, int) or max_inflight < 1:
+            raise CkstoreError(f"max_inflight must be an int of at least 1, got {max_inflight!r}")
+        self.max_inflight = max_inflight
+        self._slots: queue.SimpleQueue[StagingBuffer] = queue.SimpleQueue()
+        for _ in range(max_inflight):
+            self._slots.put(StagingBuffer())
+        self._buffers: list[StagingBuffer] = []
+        self._jobs: queue.SimpleQueue[tuple[StagedCommit, StagingBuffer, PendingCommit] | None] = queue.SimpleQueue()
+        self._pending: list[PendingCommit] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._groups: dict[Any, Any] = {}  # the checkpoint's own gloo group, per training group
+        self._exit_hook: Callable[[], None] | None = None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory the staging buffers hold now."""
+        return sum(b.nbytes for b in self._buffers)
+
+    def in_flight(self) -> list[PendingCommit]:
+        with self._lock:
+            return [p for p in self._pending if not p.done()]
+
+    def raise_failed(self) -> None:
+        """Raise the first failure of an earlier commit not yet raised anywhere."""
+        with self._lock:
+            failed = [(p, e) for p in self._pending if (e := p._unreported()) is not None]
+            self._pending = [p for p in self._pending if not p.done()]
+        if failed:
+            p, e = failed[0]
+            for q, _ in failed:
+                q._reported = True
+            e.add_note(f"(raised by a later call: this asynchronous {p.what} failed; nothing of it became visible)")
+            raise e
+
+    def wait(self) -> None:
+        """Wait for every commit in flight; raise the first failure not yet raised."""
+        for p in self.in_flight():
+            p._done.wait()
+        self.raise_failed()
+
+    def background_group(self, process_group: Any) -> Any:
+        """The gloo group the background phases of a collective commit over ``process_group``
+        use (None outside a distributed job); created once, on every rank alike."""
+        from .collective import active_group
+
+        group = active_group(process_group)
+        if group is None:
+            return None
+        own = self._groups.get(group)
+        if own is None:
+            import torch.distributed as dist
+
+            if group is dist.group.WORLD:
+                own = dist.new_group(backend="gloo")
+            else:
+                own = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+            self._groups[group] = own
+        return own
+
+    def submit(self, start: Callable[[StagingBuffer], StagedCommit]) -> PendingCommit:
+        """Take a staging slot (waiting for one), stage with ``start`` in this thread, and hand the
+        staged commit to the background thread."""
+        self.raise_failed()
+        t0 = time.perf_counter()
+        buf = self._slots.get()
+        try:
+            self.raise_failed()  # a commit that failed while this one waited for its slot
+            if buf not in self._buffers:
+                self._buffers.append(buf)
+            job = start(buf)
+        except BaseException:
+            self._slots.put(buf)
+            raise
+        pending = PendingCommit(job.what, time.perf_counter() - t0)
+        with self._lock:
+            self._pending.append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckstore-async-commit", daemon=True)
+                self._thread.start()
+                self._exit_hook = _exit_hook(weakref.ref(self))
+                _register_exit(self._exit_hook)
+        self._jobs.put((job, buf, pending))
+        return pending
+
+    def close(self) -> None:
+        """Wait for every commit in flight, stop the background thread, raise a failure not yet
+        raised."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                thread, self._thread = self._thread, None
+                hook, self._exit_hook = self._exit_hook, None
+            if thread is not None:
+                self._jobs.put(None)
+                thread.join()
+            if hook is not None:
+                atexit.unregister(hook)  # (a hook run by threading is a no-op once closed)
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, buf, pending = item
+            try:
+                ckpt = job.complete()
+            except BaseException as e:  # noqa: BLE001 - kept for wait(), the next commit, close()
+                pending._finish(None, e)
+            else:
+                pending._finish(ckpt, None)
+            finally:
+                self._slots.put(buf)
+
+
+def _register_exit(hook: Callable[[], None]) -> None:
+    # threading's exit hooks run before concurrent.futures stops taking work (and before atexit
+    # hooks): the commits still in flight need their thread pools
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(hook)
+            return
+    except RuntimeError:  # the interpreter is already shutting down
+        pass
+    atexit.register(hook)
+
+
+def _exit_hook(ref: weakref.ReferenceType[AsyncCommits]) -> Callable[[], None]:
+    def at_exit() -> None:
+        commits = ref()
+        if commits is None or commits._exit_hook is None:  # gone, or closed
+            return
+        flying = commits.in_flight()
+        if flying:
+            names = "; ".join(p.what for p in flying)
+            print(f"ckstore: waiting for {len(flying)} checkpoint commit(s) still in flight: {names}", file=sys.stderr)
+        for p in flying:
+            p._done.wait()
+        with commits._lock:
+            failed = [(p, e) for p in commits._pending if (e := p._unreported()) is not None]
+        for p, e in failed:
+            print(f"ckstore: the asynchronous {p.what} failed; nothing of it became visible: {e}", file=sys.stderr)
+
+    return at_exit
