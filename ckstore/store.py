@@ -336,13 +336,15 @@ class Store:
     def read_boxes(self, ckpt: Checkpoint, wanted: Sequence[tuple[Sequence[StoredPiece], Box]]) -> list[Any]:
         """Read box ``box`` of each global tensor given by its stored pieces (records of
         :meth:`manifests` of ``ckpt``), fetching only the chunks that overlap it; one tensor each."""
+        from .checkout.executor import execute_plan
         from .checkout.reshard import plan_boxes
+        from .format.tensorio import dtype_from_name, itemsize
 
         sizes = {p.record.dtype: itemsize(dtype_from_name(p.record.dtype)) for pieces, _ in wanted for p in pieces}
         plan = plan_boxes(wanted, sizes)
         where = f"run {ckpt.run!r}, step {ckpt.step}"
         tensors = execute_plan(plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers)
-        return tensors[: len(wanted)]
+        return list(tensors[: len(wanted)])
 
     # -- catalog views ----------------------------------------------------------------------------
     def resolve(self, ref: str | int = "latest", *, run: str | None = None) -> Checkpoint:
