@@ -123,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
             def commit(store: Any = store, writers: str = writers) -> Any:
                 if collective:
                     ctx = protocol.CommitContext(store.blobs, store.catalog, store.config, store.workers, store.run)
-                    return protocol.commit(ctx, 100 + step, states, writers=writers)
+                    return protocol.start(ctx, 100 + step, states, writers=writers).complete()
                 return store.commit(100 + step, states)
 
             timed(f"{name}_rep_commit", commit)

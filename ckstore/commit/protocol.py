@@ -71,7 +71,7 @@ from ._records import write_record
 from .collective import Group, bind
 from .dtensor import DTensorLeaves, default_layout
 
-__all__ = ["CommitContext", "commit", "start", "StagedCommit", "assign_writers", "Heartbeat", "WRITERS"]
+__all__ = ["CommitContext", "start", "StagedCommit", "assign_writers", "Heartbeat", "WRITERS"]
 
 #: Who writes a chunk several ranks hold: "assigned" (one rank, picked by rank 0) or "all"
 #: (every holder writes its copy; later copies are dead bytes in their packs until gc).
@@ -90,35 +90,6 @@ class CommitContext:
     config: StoreConfig
     workers: int
     run: str | None = None  # the store's default run, for commits that name none
-
-
-def commit(
-    ctx: CommitContext,
-    step: int,
-    rank_states: Any,
-    metrics: Mapping[str, Any] | None = None,
-    *,
-    tags: Sequence[str] = (),
-    kind: str = "checkpoint",
-    run: str | None = None,
-    replace: bool = False,
-    world_layout: WorldLayout | None = None,
-    allow_pickle: bool = False,
-    parent: Callable[[str], int | None] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    process_group: Any = None,
-    writers: str = "assigned",
-) -> Checkpoint:
-    """Commit ``rank_states`` as checkpoint ``step`` (see the module docstring).
-
-    ``parent(run)`` returns the id of the checkpoint the commit descends from (None for none); it
-    runs on rank 0 only, before the pending checkpoint is opened. The checkpoint records rank 0's
-    metrics and tags. ``progress(done, total)`` counts the bytes this rank writes.
-    """
-    return start(
-        ctx, step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace, world_layout=world_layout,
-        allow_pickle=allow_pickle, parent=parent, progress=progress, process_group=process_group, writers=writers,
-    ).complete()  # fmt: skip
 
 
 def start(
@@ -140,7 +111,7 @@ def start(
     staging: StagingBuffer | None = None,
     changed_only: bool = False,
 ) -> StagedCommit:
-    """The first part of :func:`commit`, in the caller's thread: check the arguments, flatten the
+    """The first part of a commit, in the caller's thread: check the arguments, flatten the
     states and stage their tensors (into ``staging``'s reusable buffer when given, so the caller
     may change its tensors as soon as this returns; else zero-copy views; ``changed_only``: see
     :func:`ckstore.commit._stage.stage`). Nothing is collective
