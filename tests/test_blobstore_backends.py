@@ -125,9 +125,9 @@ class TestGcs(BlobStoreConformance):
         return FsspecBlobStore(f"gs://{gcs_bucket}/store", **gcs_emulator.storage_options())
 
 
-@pytest.mark.gcs
-class TestGcsResumable:
-    """Past a small buffer limit, objects stream as resumable uploads, finalized on completion."""
+class StreamedUploads:
+    """The conformance tests of objects past a small buffer limit, which stream in parts (GCS
+    resumable uploads, Azure staged blocks) and become visible only when completed."""
 
     large_size = 3 * 1024 * 1024 + 17
     test_large_object = BlobStoreConformance.test_large_object
@@ -136,6 +136,11 @@ class TestGcsResumable:
 
     def test_killed_upload_leaves_nothing_visible(self, blobs: BlobStore) -> None:
         _killed_upload_leaves_nothing_visible(blobs)
+
+
+@pytest.mark.gcs
+class TestGcsResumable(StreamedUploads):
+    """Past a small buffer limit, objects stream as resumable uploads, finalized on completion."""
 
     @pytest.fixture
     def blobs(self, gcs_emulator: GcsEmulator, gcs_bucket: str) -> BlobStore:
@@ -157,16 +162,8 @@ class TestAzure(BlobStoreConformance):
 
 
 @pytest.mark.azure
-class TestAzureBlocks:
+class TestAzureBlocks(StreamedUploads):
     """Past a small buffer limit, objects stream as staged blocks, committed on completion."""
-
-    large_size = 3 * 1024 * 1024 + 17
-    test_large_object = BlobStoreConformance.test_large_object
-    test_failed_large_writer_leaves_nothing = BlobStoreConformance.test_failed_large_writer_leaves_nothing
-    test_writer_streams_parts = BlobStoreConformance.test_writer_streams_parts
-
-    def test_killed_upload_leaves_nothing_visible(self, blobs: BlobStore) -> None:
-        _killed_upload_leaves_nothing_visible(blobs)
 
     @pytest.fixture
     def blobs(self, azurite: AzuriteEmulator, az_container: str) -> BlobStore:
