@@ -229,17 +229,32 @@ def _moto_executable() -> str | None:
 
 
 @dataclass
-class S3Server:
-    """A moto S3 server process on loopback."""
+class Emulator:
+    """An object store emulator process on loopback."""
 
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
-    buckets: list[str] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@dataclass
+class S3Server(Emulator):
+    """A moto S3 server process on loopback."""
+
+    buckets: list[str] = field(default_factory=list)
 
     def storage_options(self, **config: Any) -> dict[str, Any]:
         """fsspec options for this server (``config`` goes to botocore's ``Config``)."""
@@ -303,13 +318,8 @@ class S3Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.thaw()
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            self.thaw()  # a frozen server cannot act on SIGTERM
+        super().stop()
 
 
 def start_s3_server(log_dir: Path) -> S3Server:
@@ -317,25 +327,8 @@ def start_s3_server(log_dir: Path) -> S3Server:
     if exe is None:
         unavailable("moto_server is not installed (pip install 'moto[server]')")
     port = free_port()
-    log = log_dir / f"moto-{port}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    server = S3Server(proc, port, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            unavailable(f"moto_server exited at start: {log.read_text()[-1000:]}")
-        try:
-            urllib.request.urlopen(server.endpoint + "/moto-api/", timeout=2).close()
-            return server
-        except urllib.error.HTTPError:
-            return server  # it answers
-        except OSError:
-            time.sleep(0.1)
-    server.stop()
-    unavailable(f"moto_server did not answer on port {port} within 60 s")
+    cmd = [exe, "-H", "127.0.0.1", "-p", str(port)]
+    return _start_emulator(S3Server, "moto_server", cmd, port, log_dir / f"moto-{port}.log", probe="/moto-api/")
 
 
 @pytest.fixture(scope="session")
@@ -384,33 +377,14 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
-@dataclass
-class Emulator:
-    """An object store emulator process on loopback."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
 E = TypeVar("E", bound=Emulator)
 
 
-def _start_emulator(kind: type[E], name: str, cmd: list[str], port: int, log: Path, timeout: float = 60) -> E:
-    """Start ``cmd`` and wait until it answers HTTP on ``port`` (any status), at most ``timeout`` s."""
+def _start_emulator(
+    kind: type[E], name: str, cmd: list[str], port: int, log: Path, timeout: float = 60, probe: str = "/"
+) -> E:
+    """Start ``cmd`` and wait until it answers HTTP on ``port`` (any status) at ``probe``, at most
+    ``timeout`` s; a server that exits or never answers is :func:`unavailable`."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     emulator = kind(proc, port, log)
@@ -419,7 +393,7 @@ def _start_emulator(kind: type[E], name: str, cmd: list[str], port: int, log: Pa
         if proc.poll() is not None:
             unavailable(f"{name} exited at start: {log.read_text(errors='replace')[-1000:]}")
         try:
-            urllib.request.urlopen(emulator.endpoint + "/", timeout=2).close()
+            urllib.request.urlopen(emulator.endpoint + probe, timeout=2).close()
             return emulator
         except urllib.error.HTTPError:
             return emulator  # it answers
