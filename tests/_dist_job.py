@@ -282,6 +282,27 @@ def scenario_lease(store: ckstore.Store, rank: int, world: int, out: dict[str, A
     out["ok"] = True
 
 
+CRASH_LAYOUT = WorldLayout({"dp": 2})
+
+
+def crash_states(rank: int, step: int) -> dict[str, Any]:
+    """What rank ``rank`` commits at ``step`` in the ``crash`` scenario: a replicated tensor
+    (written by one rank) and one of its own, over several tiny packs."""
+    gen = torch.Generator().manual_seed(step)
+    rep = torch.randn(5000, generator=gen)
+    own = torch.randn(4000 + rank, generator=torch.Generator().manual_seed(100 * step + rank))
+    return {"m": {"rep": rep, "own": own, "step": step}}
+
+
+def scenario_crash(store: ckstore.Store, rank: int, world: int, out: dict[str, Any]) -> None:
+    """Step 2 of a {dp: 2} job; one rank dies at the kill point ``CKSTORE_CRASH_AT`` names."""
+    try:
+        out["committed"] = store.commit(2, {rank: crash_states(rank, 2)}, world_layout=CRASH_LAYOUT).step
+    except ckstore.DistributedCommitError as e:
+        out["error"] = str(e)
+    out["ok"] = True
+
+
 def main() -> None:
     scenario, store_path, port, rank_s, world_s, out_dir = sys.argv[1:7]
     rank, world = int(rank_s), int(world_s)
@@ -298,7 +319,7 @@ def main() -> None:
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
         store.close()
-    if scenario == "kill":
+    if scenario in ("kill", "crash"):
         os._exit(0)  # the group lost a rank: tearing it down could wait on the dead peer
     dist.barrier()
     dist.destroy_process_group()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,18 +39,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(scenario: str, world: int, store: Path, tmp: Path, timeout: float = 90) -> list[dict[str, Any]]:
-    """Run one job of ``world`` ranks; returns each rank's report (None for a rank that died)."""
+def run_job(
+    scenario: str, world: int, store: Path, tmp: Path, timeout: float = 90, *,
+    env: dict[str, str] | None = None, dies: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run one job of ``world`` ranks (each with its ``RANK`` and ``env`` in its environment);
+    returns each rank's report (None for a rank that died). Rank ``dies`` must die of SIGKILL at
+    the crash point ``env["CKSTORE_CRASH_AT"]`` names, after printing that point."""
     out = tmp / f"out-{scenario}"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
     port = _free_port()
     args = [str(store), str(port)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(JOB), scenario, *args, str(r), str(world), str(out)],
-            env=env,
+            env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -69,7 +75,11 @@ def run_job(scenario: str, world: int, store: Path, tmp: Path, timeout: float = 
     for r, p in enumerate(procs):
         f = out / f"rank{r}.json"
         reports.append(json.loads(f.read_text()) if f.exists() else None)
-        if scenario != "kill" or r != 2:
+        if r == dies:
+            point = env["CKSTORE_CRASH_AT"].partition(":")[0]
+            assert p.returncode == -signal.SIGKILL, f"rank {r} of job {scenario!r} was not killed:\n{logs[r][-4000:]}"
+            assert logs[r].rstrip().endswith(f"ckstore crash point: {point}"), logs[r][-4000:]
+        elif scenario != "kill" or r != 2:
             assert p.returncode == 0, f"rank {r} of job {scenario!r} failed:\n{logs[r][-4000:]}"
     return reports
 
