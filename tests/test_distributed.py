@@ -121,6 +121,53 @@ def test_commit_on_4_ranks_and_reshard_to_other_jobs(dstore: Path, tmp_path: Pat
             assert bits(some[5]["model_states"][name]) == bits(want), name
 
 
+def test_a_replicated_tensor_is_written_once_and_each_rank_reads_only_its_chunks(dstore: Path, tmp_path: Path) -> None:
+    """Counted in the blob store itself: the objects a 4-rank data-parallel commit leaves hold
+    every chunk frame once (the replicated tensor's frames are exactly those one rank alone
+    writes), and the ranks' write counters add up to exactly those objects. A collective checkout
+    reads on each rank exactly the frames of the replicated tensor and of its own shard."""
+    from _dist_job import replica_states
+
+    from ckstore.blobstore import LocalBlobStore
+    from ckstore.format.pack import PACK_HEADER, PACK_PREFIX, read_index
+
+    blobs = LocalBlobStore(dstore, fsync=False)
+    before = {i.key for i in blobs.list("")}
+    reports = run_job("replicated", 4, dstore, tmp_path)
+    new = {i.key: i.size for i in blobs.list("") if i.key not in before}
+    packs = {k: n for k, n in new.items() if k.startswith(PACK_PREFIX)}
+    frames = {k: read_index(blobs.read(k)) for k in packs}
+    lengths = [(d, length) for index in frames.values() for d, _, length, _ in index]
+    frame = dict(lengths)
+    assert len(frame) == len(lengths), "a chunk frame was written twice"
+    # pack objects hold their frames and nothing more: header, 32 index bytes a chunk, footer
+    assert sum(packs.values()) == sum(frame.values()) + len(packs) * (len(PACK_HEADER) + 8) + 32 * len(lengths)
+    # every byte the ranks wrote is in these objects (packs and the checkpoint's record)
+    assert sum(r["written"]["writes"] for r in reports) == len(new)
+    assert sum(r["written"]["bytes_written"] for r in reports) == sum(new.values())
+    assert sum(1 for r in reports if r["written"]["bytes_written"]) >= 2  # the replica's writes were shared
+
+    with ckstore.open(dstore, run="exp") as store:
+        ck = store.resolve(1)
+        chunks = {r: {t.path: t.chunks for t in store.manifests(ck, ranks=[r])[(r, "m")].tensors} for r in range(4)}
+    w = chunks[0]["w"]
+    assert len(w) == 16 and all(chunks[r]["w"] == w for r in range(4))
+    shards = [d for r in range(4) for d in chunks[r]["s"]]
+    assert set(frame) == set(w) | set(shards) and len(shards) == 8  # each stored once, nothing else
+    # one rank alone writes the same frames of the replicated tensor: as many bytes, not more
+    with ckstore.open(tmp_path / "one", run="exp", chunk_size=64 * 1024, pack_size=1024 * 1024) as one:
+        one.commit(1, {0: {"m": {"w": replica_states(0)["m"]["w"]}}})
+        alone = {d: length for k in (i.key for i in one.blobs.list(PACK_PREFIX)) for d, _, length, _ in read_index(one.blobs.read(k))}
+    assert alone == {d: frame[d] for d in w}
+
+    total = sum(frame.values())
+    for r, report in enumerate(reports):
+        need = set(w) | set(chunks[r]["s"])
+        assert report["read"]["writes"] == 0
+        assert report["read"]["bytes_read"] == sum(frame[d] for d in need) < total, (r, report["read"])
+        assert report["read"]["reads"] <= len(need)
+
+
 def test_a_failing_rank_fails_every_rank_and_commits_nothing(dstore: Path, tmp_path: Path) -> None:
     reports = run_job("fail", 4, dstore, tmp_path)
     for r in reports:
