@@ -282,6 +282,55 @@ def scenario_lease(store: ckstore.Store, rank: int, world: int, out: dict[str, A
     out["ok"] = True
 
 
+DP4 = WorldLayout({"dp": 4})
+
+
+def replica_states(rank: int) -> dict[str, Any]:
+    """Rank ``rank`` of a data-parallel job of 4: a replicated 1 MiB tensor (16 chunks of 64 KiB),
+    then its quarter of a sharded one (2 chunks)."""
+    gen = torch.Generator().manual_seed(77)
+    w = torch.randn(256 * 1024, generator=gen)
+    s = torch.randn(4 * 32 * 1024, generator=gen)
+    return {"m": {"w": w, "s": Shard(torch.chunk(s, 4)[rank].clone(), mesh_dim="dp", dim=0)}}
+
+
+def scenario_replicated(store: ckstore.Store, rank: int, world: int, out: dict[str, Any]) -> None:
+    """Commit and check out a replicated tensor; report the blob store's counters for each."""
+    stats = store.blobs.stats
+    before = stats.snapshot()
+    store.commit(1, {rank: replica_states(rank)}, world_layout=DP4)
+    after = stats.snapshot()
+    out["written"] = {k: after[k] - before[k] for k in ("writes", "bytes_written", "reads", "bytes_read")}
+    got = store.checkout(1, world_layout=DP4)
+    done = stats.snapshot()
+    out["read"] = {k: done[k] - after[k] for k in ("reads", "bytes_read", "writes")}
+    want = replica_states(rank)["m"]
+    assert list(got) == [rank]
+    assert bits(got[rank]["m"]["w"]) == bits(want["w"]) and bits(got[rank]["m"]["s"]) == bits(want["s"].tensor)
+    out["ok"] = True
+
+
+CRASH_LAYOUT = WorldLayout({"dp": 2})
+
+
+def crash_states(rank: int, step: int) -> dict[str, Any]:
+    """What rank ``rank`` commits at ``step`` in the ``crash`` scenario: a replicated tensor
+    (written by one rank) and one of its own, over several tiny packs."""
+    gen = torch.Generator().manual_seed(step)
+    rep = torch.randn(5000, generator=gen)
+    own = torch.randn(4000 + rank, generator=torch.Generator().manual_seed(100 * step + rank))
+    return {"m": {"rep": rep, "own": own, "step": step}}
+
+
+def scenario_crash(store: ckstore.Store, rank: int, world: int, out: dict[str, Any]) -> None:
+    """Step 2 of a {dp: 2} job; one rank dies at the kill point ``CKSTORE_CRASH_AT`` names."""
+    try:
+        out["committed"] = store.commit(2, {rank: crash_states(rank, 2)}, world_layout=CRASH_LAYOUT).step
+    except ckstore.DistributedCommitError as e:
+        out["error"] = str(e)
+    out["ok"] = True
+
+
 def main() -> None:
     scenario, store_path, port, rank_s, world_s, out_dir = sys.argv[1:7]
     rank, world = int(rank_s), int(world_s)
@@ -298,7 +347,7 @@ def main() -> None:
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
         store.close()
-    if scenario == "kill":
+    if scenario in ("kill", "crash"):
         os._exit(0)  # the group lost a rank: tearing it down could wait on the dead peer
     dist.barrier()
     dist.destroy_process_group()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,18 +39,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(scenario: str, world: int, store: Path, tmp: Path, timeout: float = 90) -> list[dict[str, Any]]:
-    """Run one job of ``world`` ranks; returns each rank's report (None for a rank that died)."""
+def run_job(
+    scenario: str, world: int, store: Path, tmp: Path, timeout: float = 90, *,
+    env: dict[str, str] | None = None, dies: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run one job of ``world`` ranks (each with its ``RANK`` and ``env`` in its environment);
+    returns each rank's report (None for a rank that died). Rank ``dies`` must die of SIGKILL at
+    the crash point ``env["CKSTORE_CRASH_AT"]`` names, after printing that point."""
     out = tmp / f"out-{scenario}"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
     port = _free_port()
     args = [str(store), str(port)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(JOB), scenario, *args, str(r), str(world), str(out)],
-            env=env,
+            env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -69,7 +75,11 @@ def run_job(scenario: str, world: int, store: Path, tmp: Path, timeout: float = 
     for r, p in enumerate(procs):
         f = out / f"rank{r}.json"
         reports.append(json.loads(f.read_text()) if f.exists() else None)
-        if scenario != "kill" or r != 2:
+        if r == dies:
+            point = env["CKSTORE_CRASH_AT"].partition(":")[0]
+            assert p.returncode == -signal.SIGKILL, f"rank {r} of job {scenario!r} was not killed:\n{logs[r][-4000:]}"
+            assert logs[r].rstrip().endswith(f"ckstore crash point: {point}"), logs[r][-4000:]
+        elif scenario != "kill" or r != 2:
             assert p.returncode == 0, f"rank {r} of job {scenario!r} failed:\n{logs[r][-4000:]}"
     return reports
 
@@ -109,6 +119,53 @@ def test_commit_on_4_ranks_and_reshard_to_other_jobs(dstore: Path, tmp_path: Pat
         for name in DT_NAMES:
             want = expected_piece(g[name], dt_splits(name), lay, lay.coords(5))
             assert bits(some[5]["model_states"][name]) == bits(want), name
+
+
+def test_a_replicated_tensor_is_written_once_and_each_rank_reads_only_its_chunks(dstore: Path, tmp_path: Path) -> None:
+    """Counted in the blob store itself: the objects a 4-rank data-parallel commit leaves hold
+    every chunk frame once (the replicated tensor's frames are exactly those one rank alone
+    writes), and the ranks' write counters add up to exactly those objects. A collective checkout
+    reads on each rank exactly the frames of the replicated tensor and of its own shard."""
+    from _dist_job import replica_states
+
+    from ckstore.blobstore import LocalBlobStore
+    from ckstore.format.pack import PACK_HEADER, PACK_PREFIX, read_index
+
+    blobs = LocalBlobStore(dstore, fsync=False)
+    before = {i.key for i in blobs.list("")}
+    reports = run_job("replicated", 4, dstore, tmp_path)
+    new = {i.key: i.size for i in blobs.list("") if i.key not in before}
+    packs = {k: n for k, n in new.items() if k.startswith(PACK_PREFIX)}
+    frames = {k: read_index(blobs.read(k)) for k in packs}
+    lengths = [(d, length) for index in frames.values() for d, _, length, _ in index]
+    frame = dict(lengths)
+    assert len(frame) == len(lengths), "a chunk frame was written twice"
+    # pack objects hold their frames and nothing more: header, 32 index bytes a chunk, footer
+    assert sum(packs.values()) == sum(frame.values()) + len(packs) * (len(PACK_HEADER) + 8) + 32 * len(lengths)
+    # every byte the ranks wrote is in these objects (packs and the checkpoint's record)
+    assert sum(r["written"]["writes"] for r in reports) == len(new)
+    assert sum(r["written"]["bytes_written"] for r in reports) == sum(new.values())
+    assert sum(1 for r in reports if r["written"]["bytes_written"]) >= 2  # the replica's writes were shared
+
+    with ckstore.open(dstore, run="exp") as store:
+        ck = store.resolve(1)
+        chunks = {r: {t.path: t.chunks for t in store.manifests(ck, ranks=[r])[(r, "m")].tensors} for r in range(4)}
+    w = chunks[0]["w"]
+    assert len(w) == 16 and all(chunks[r]["w"] == w for r in range(4))
+    shards = [d for r in range(4) for d in chunks[r]["s"]]
+    assert set(frame) == set(w) | set(shards) and len(shards) == 8  # each stored once, nothing else
+    # one rank alone writes the same frames of the replicated tensor: as many bytes, not more
+    with ckstore.open(tmp_path / "one", run="exp", chunk_size=64 * 1024, pack_size=1024 * 1024) as one:
+        one.commit(1, {0: {"m": {"w": replica_states(0)["m"]["w"]}}})
+        alone = {d: length for k in (i.key for i in one.blobs.list(PACK_PREFIX)) for d, _, length, _ in read_index(one.blobs.read(k))}
+    assert alone == {d: frame[d] for d in w}
+
+    total = sum(frame.values())
+    for r, report in enumerate(reports):
+        need = set(w) | set(chunks[r]["s"])
+        assert report["read"]["writes"] == 0
+        assert report["read"]["bytes_read"] == sum(frame[d] for d in need) < total, (r, report["read"])
+        assert report["read"]["reads"] <= len(need)
 
 
 def test_a_failing_rank_fails_every_rank_and_commits_nothing(dstore: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import Connection, delete, select, update
 from sqlalchemy import exc as sa_exc
 
+from .._crash import crash_point
 from ..errors import AlreadyExistsError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
@@ -275,6 +276,7 @@ class CommitMixin(RunsMixin):
                 conn.execute(
                     update(PACKS).where(PACKS.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None)
                 )
+                crash_point("finish.transaction")
                 return load_records(conn, [ckpt_id]).one(ckpt_id)
         finally:
             mark_live(owner.nonce, False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .._crash import crash_point
 from ..catalog import Owner
 from ..format.recordio import write_checkpoint_record
 
@@ -19,3 +20,4 @@ def write_record(ctx: Any, ckpt_id: int, owner: Owner, args: Any, manifests: Seq
         ctx.blobs, ctx.catalog, ckpt_id, owner, metrics=args.metrics, tags=args.tags, entries=manifests,
         stored_bytes_added=added,
     )  # fmt: skip
+    crash_point("record.written")

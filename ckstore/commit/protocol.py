@@ -48,6 +48,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from .._crash import crash_point
 from ..blobstore import BlobStore
 from ..catalog import Catalog, NewChunk, Owner
 from ..checkout.reshard import resolve_shards
@@ -256,6 +257,7 @@ class StagedCommit:
             return self.args.run, self.args.step, layout.to_json(), _stage.piece_infos(self.entries)
 
         self.declaration = g.attempt(local)
+        crash_point("stage")
 
     def declare(self) -> None:
         """Phase 1, together: agree on run, step and layout, and derive every shard's placement."""
@@ -273,6 +275,7 @@ class StagedCommit:
         self.layout = WorldLayout.from_json(first[2])
         self.specs = resolve_shards(self.layout, [p for d in declared for p in d[3]])
         self.pool = self.stack.enter_context(ThreadPoolExecutor(self.ctx.workers, thread_name_prefix="ckstore-commit"))
+        crash_point("declare")
 
     def hash(self) -> None:
         """Phase 2: rank 0 opens the pending checkpoint; every rank hashes its staged chunks;
@@ -299,7 +302,9 @@ class StagedCommit:
                     self.held.setdefault(d, st.chunk(i, cs).nbytes)
             return _join(list(self.held)), list(self.held.values())
 
-        gathered = g.gather("hashing chunks", g.attempt(local))
+        hashed = g.attempt(local)
+        crash_point("hash")
+        gathered = g.gather("hashing chunks", hashed)
         if gathered is not None:
             self.holdings = [list(zip(_split(h[0]), h[1])) if h is not None else [] for h in gathered]
 
@@ -333,6 +338,7 @@ class StagedCommit:
             return [(_join(p), [next(ids) for _ in range(n)]) for p, n in zip(plan, needed)]
 
         outcome = g.attempt(local) if g.rank == 0 else (None, None)
+        crash_point("plan_writes")
         digests, slots = g.scatter("assigning chunks to writers", outcome)
         self.mine = (_split(digests), slots)
 
@@ -358,6 +364,7 @@ class StagedCommit:
                 if self.ckpt_id is not None:  # rank 0: record the written pack's chunks now
                     # (on the writer's upload threads: list.append, not +=, is safe there)
                     self.added.append(self.ctx.catalog.add_chunks(self.ckpt_id, self.owner, pack_id, size, _rows(chunks)))
+                    crash_point("pack.chunks_recorded")
                 else:
                     packs.append((pack_id, size, chunks))
 
@@ -378,7 +385,9 @@ class StagedCommit:
             )  # fmt: skip
             return packs, _stage.build_manifests(self.entries, self.staged, cfg.chunk_size)
 
-        self.results = g.gather("writing chunks", g.attempt(local))
+        written = g.attempt(local)
+        crash_point("write")
+        self.results = g.gather("writing chunks", written)
 
     def finish(self, *, collective: bool = True) -> Checkpoint | None:
         """Phase 5: rank 0 records every pack's chunks and makes the checkpoint visible; with
@@ -401,6 +410,7 @@ class StagedCommit:
             self.ckpt_id = None  # visible now: nothing to abort
             return ckpt
 
+        crash_point("finish")
         try:
             ckpt: Checkpoint | None
             outcome = self.g.attempt(local) if self.g.rank == 0 else (None, None)

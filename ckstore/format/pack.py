@@ -26,6 +26,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from .._crash import crash_point
 from ..blobstore import BlobStore
 from ..errors import IntegrityError
 from .codec import HEADER_SIZE, Frame, max_frame_length
@@ -98,6 +99,7 @@ class PackWriter:
             self._open()
         for part in frame.parts:
             self._w.write(part)
+        crash_point("pack.mid")
         self._chunks.append(PackedChunk(digest, self._pos, frame.length, raw_size, frame.codec))
         self._pos += frame.length
         if self._pos >= self.target_size:
@@ -133,6 +135,7 @@ class PackWriter:
 
     def _open(self) -> None:
         key, self._pack_id = self._on_open()
+        crash_point("pack.registered")
         self._stack = ExitStack()
         self._w = self._stack.enter_context(self.blobs.writer(key))
         self._w.write(PACK_HEADER)
@@ -161,6 +164,7 @@ class PackWriter:
 
     def _complete(self, stack: ExitStack, pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
         stack.close()  # the object becomes visible (and durable) here
+        crash_point("pack.durable")
         with self._count_lock:
             self.packs_written += 1
         self._on_close(pack_id, size, chunks)
