@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import io
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -75,6 +77,52 @@ def _without_expect_continue(session: Any) -> None:
     session.unregister("before-call.s3", add_expect_header)
 
 
+class WriteTimeoutError(Exception):
+    """The server took no byte of a request's body for connect_timeout + read_timeout (retried;
+    not a ``TimeoutError``, which fsspec would turn into a bare ``FSTimeoutError``)."""
+
+
+class _Body(io.BytesIO):
+    """A request body that notes when the HTTP client last took bytes from it."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.last_read = time.monotonic()
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.last_read = time.monotonic()
+        return super().read(size)
+
+
+async def _send(fs: Any, method: str, body: _Body, stall: float, kwargs: dict[str, Any]) -> Any:
+    """``fs._call_s3(method, Body=body, **kwargs)``, given up once the body has not moved for
+    ``stall`` seconds.
+
+    A server that stops reading (frozen, or its connection half-open) fills the socket's
+    buffers and then holds the sender forever: aiohttp's read timeout starts only once the whole
+    body is sent. Once the body is out, the read timeout bounds the wait for the answer.
+    """
+    task = asyncio.ensure_future(fs._call_s3(method, Body=body, **kwargs))
+    try:
+        while True:
+            idle = time.monotonic() - body.last_read
+            if idle >= stall:
+                raise WriteTimeoutError(
+                    f"the server took no byte of the request body for {stall:g} s "
+                    "(connect_timeout + read_timeout)"
+                )
+            done, _ = await asyncio.wait({task}, timeout=stall - idle)
+            if done:
+                return task.result()
+    finally:
+        if not task.done():
+            task.cancel()  # aiohttp closes the connection
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - the request given up, whatever it raised
+                pass
+
+
 class _MultipartUpload:
     """One S3 multipart upload, driven request by request, each under ckstore's retry loop:
     at most ``part_size`` bytes are held at a time, parts go up in order as they fill, and the
@@ -101,9 +149,9 @@ class _MultipartUpload:
     def _upload(self, body: bytes) -> None:
         number, store = len(self._parts) + 1, self._store
         try:
-            answer = store._s3(
-                f"uploading {self._key!r} (part {number})", "upload_part", None,
-                **self._where, UploadId=self._upload_id, PartNumber=number, Body=body,
+            answer = store._s3_send(
+                f"uploading {self._key!r} (part {number})", "upload_part", None, body,
+                **self._where, UploadId=self._upload_id, PartNumber=number,
             )  # fmt: skip
         except FileNotFoundError as e:
             raise store._error(f"uploading {self._key!r} (part {number})", e) from e
@@ -194,7 +242,11 @@ class _ObjectWriter:
         store = self._store
         if self._buf is not None:
             data = self._buf.getvalue()
-            store._call(f"writing {self._key!r}", lambda: store.fs.pipe_file(self._path, data), self._key)
+            if store.is_s3:
+                bucket, obj, _ = store.fs.split_path(self._path)
+                store._s3_send(f"writing {self._key!r}", "put_object", self._key, data, Bucket=bucket, Key=obj)
+            else:
+                store._call(f"writing {self._key!r}", lambda: store.fs.pipe_file(self._path, data), self._key)
             return
         if self._mpu is not None:
             self._mpu.complete()
@@ -261,6 +313,8 @@ class FsspecBlobStore(BlobStore):
                 self.fs.session = AioSession(**self.fs.kwargs)
                 self.fs._session_is_owned = False  # never replaced by one with the default handlers
             _without_expect_continue(self.fs.session)
+            config = getattr(self.fs, "config_kwargs", None) or {}
+            self._stall = float(config.get("connect_timeout") or 5) + float(config.get("read_timeout") or 30)
         #: the size of a multipart upload's parts (S3): ``default_block_size``, 5 MiB at least
         self.part_size = max(S3_MIN_PART, int(getattr(self.fs, "default_block_size", 0) or 0))
         self.attempts = attempts
@@ -289,6 +343,14 @@ class FsspecBlobStore(BlobStore):
     def _s3(self, what: str, method: str, key: str | None, **kwargs: Any) -> Any:
         """One S3 request (an s3fs client call, s3fs's own retries off) under the retry loop."""
         return self._call(what, lambda: self.fs.call_s3(method, **kwargs), key)
+
+    def _s3_send(self, what: str, method: str, key: str | None, body: bytes, **kwargs: Any) -> Any:
+        """An S3 request with a body (a put, a part) under the retry loop; each try is given up
+        once the server has taken no byte of the body for connect_timeout + read_timeout."""
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        return self._call(what, lambda: sync(fs.loop, _send, fs, method, _Body(body), self._stall, kwargs), key)
 
     @contextmanager
     def _writer(self, key: str) -> Iterator[_ObjectWriter]:
