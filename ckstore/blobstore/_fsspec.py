@@ -61,7 +61,7 @@ def _missing_as_file_not_found(fn: Callable[[], T]) -> T:
 
 
 #: S3's smallest part (but the last): a multipart upload streams in parts of at least this size
-S3_MIN_PART = 5 * 1024 * 1024
+_S3_MIN_PART = 5 * 1024 * 1024
 
 
 def _without_expect_continue(session: Any) -> None:
@@ -140,11 +140,14 @@ class _MultipartUpload:
         self._upload_id = str(created["UploadId"])
 
     def write(self, data: bytes | memoryview) -> None:
-        self._buf += data
-        while len(self._buf) >= self._part_size:
-            part = bytes(memoryview(self._buf)[: self._part_size])
-            del self._buf[: self._part_size]
-            self._upload(part)
+        view = memoryview(data).cast("B")
+        while view:
+            room = self._part_size - len(self._buf)
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) == self._part_size:
+                part, self._buf = bytes(self._buf), bytearray()
+                self._upload(part)
 
     def _upload(self, body: bytes) -> None:
         number, store = len(self._parts) + 1, self._store
@@ -312,11 +315,13 @@ class FsspecBlobStore(BlobStore):
 
                 self.fs.session = AioSession(**self.fs.kwargs)
                 self.fs._session_is_owned = False  # never replaced by one with the default handlers
-            _without_expect_continue(self.fs.session)
+            _without_expect_continue(self.fs.session)  # a session given in storage_options too
             config = getattr(self.fs, "config_kwargs", None) or {}
             self._stall = float(config.get("connect_timeout") or 5) + float(config.get("read_timeout") or 30)
+        else:
+            self._stall = 0.0  # unused: only S3 requests are sent by ckstore itself
         #: the size of a multipart upload's parts (S3): ``default_block_size``, 5 MiB at least
-        self.part_size = max(S3_MIN_PART, int(getattr(self.fs, "default_block_size", 0) or 0))
+        self.part_size = max(_S3_MIN_PART, int(getattr(self.fs, "default_block_size", 0) or 0))
         self.attempts = attempts
         self.root = root.rstrip("/")
         memory = "memory" in _protocols(self.fs)
