@@ -231,6 +231,47 @@ def test_s3_server_frozen_during_a_commit(private_s3_server: S3Server, tmp_path:
     assert_same(store.checkout(1), _state(1))
 
 
+def test_s3_server_frozen_while_a_large_part_uploads(private_s3_server: S3Server) -> None:
+    """SIGSTOP the server between two parts: the next part, larger than the sockets' buffers, can
+    never be sent whole, so only ckstore's own bound on a body that stops moving ends it (the
+    read timeout starts once a body is sent). The write fails with a clear error, nothing is
+    visible, and once the server is back the upload is aborted and the object written."""
+    bucket = private_s3_server.make_bucket()
+    blobs = FsspecBlobStore(
+        f"s3://{bucket}/b", attempts=2, buffer_limit=MiB, default_block_size=64 * MiB,
+        **private_s3_server.storage_options(connect_timeout=1, read_timeout=1),
+    )  # fmt: skip
+    payload = bytes(range(256)) * (4 * 65 * MiB // 1024)  # 65 MiB: a 64 MiB part and the rest
+    outcome: list[BaseException | None] = []
+
+    def write() -> None:
+        try:
+            with blobs.writer("packs/00/big") as w:
+                w.write(payload[: 2 * MiB])  # past buffer_limit: the multipart upload starts
+                private_s3_server.freeze()
+                w.write(payload[2 * MiB :])  # the first part goes to a frozen server
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=write, daemon=True)
+    worker.start()
+    worker.join(HANG_GUARD)
+    hung = worker.is_alive()
+    private_s3_server.thaw()
+    worker.join(60)
+    assert not hung, f"the write was still running {HANG_GUARD:.0f} s after the server froze ({outcome!r})"
+    (error,) = outcome
+    assert isinstance(error, BlobStoreError), error
+    assert re.search(r"uploading 'packs/00/big' \(part 1\).* failed 2 times, the last with .*(Timeout|timed out)", str(error)), str(error)
+    assert not blobs.exists("packs/00/big")
+    stale = blobs.stale_temp_files(time.time() + 60)  # the abort could not reach the frozen server
+    assert len(stale) <= 1 and blobs.discard_temp_files(stale) == len(stale)
+    assert private_s3_server.uploads(bucket) == {}
+    blobs.put("packs/00/big", payload)
+    assert blobs.read("packs/00/big") == payload
+
+
 # -- multipart uploads ----------------------------------------------------------------------------
 def _multipart_store(server: S3Server, proxy: FaultProxy, tmp_path: Path, bucket: str) -> ckstore.Store:
     """Packs of 12 MiB that stream as multipart uploads of 5 MiB parts past 1 MiB buffered."""

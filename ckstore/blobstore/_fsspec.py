@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import io
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -58,6 +60,150 @@ def _missing_as_file_not_found(fn: Callable[[], T]) -> T:
         raise
 
 
+#: S3's smallest part (but the last): a multipart upload streams in parts of at least this size
+_S3_MIN_PART = 5 * 1024 * 1024
+
+
+def _without_expect_continue(session: Any) -> None:
+    """Stop botocore from asking for ``Expect: 100-continue`` on PUTs with a body.
+
+    aiohttp sends such a body only once the server answered ``100 Continue``, and starts its read
+    timeout only once the body is sent: a server that stops answering (frozen, overloaded, a
+    half-open connection) would hold the request forever, whatever ``read_timeout`` says.
+    Without the header, the body goes out at once and the read timeout bounds the wait.
+    """
+    from botocore.handlers import add_expect_header
+
+    session.unregister("before-call.s3", add_expect_header)
+
+
+class WriteTimeoutError(Exception):
+    """The server took no byte of a request's body for connect_timeout + read_timeout (retried;
+    not a ``TimeoutError``, which fsspec would turn into a bare ``FSTimeoutError``)."""
+
+
+class _Body(io.BytesIO):
+    """A request body that notes when the HTTP client last took bytes from it."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.last_read = time.monotonic()
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.last_read = time.monotonic()
+        return super().read(size)
+
+
+async def _send(fs: Any, method: str, body: _Body, stall: float, kwargs: dict[str, Any]) -> Any:
+    """``fs._call_s3(method, Body=body, **kwargs)``, given up once the body has not moved for
+    ``stall`` seconds.
+
+    A server that stops reading (frozen, or its connection half-open) fills the socket's
+    buffers and then holds the sender forever: aiohttp's read timeout starts only once the whole
+    body is sent. Once the body is out, the read timeout bounds the wait for the answer.
+    """
+    task = asyncio.ensure_future(fs._call_s3(method, Body=body, **kwargs))
+    try:
+        while True:
+            idle = time.monotonic() - body.last_read
+            if idle >= stall:
+                raise WriteTimeoutError(
+                    f"the server took no byte of the request body for {stall:g} s "
+                    "(connect_timeout + read_timeout)"
+                )
+            done, _ = await asyncio.wait({task}, timeout=stall - idle)
+            if done:
+                return task.result()
+    finally:
+        if not task.done():
+            task.cancel()  # aiohttp closes the connection
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - the request given up, whatever it raised
+                pass
+
+
+class _MultipartUpload:
+    """One S3 multipart upload, driven request by request, each under ckstore's retry loop:
+    at most ``part_size`` bytes are held at a time, parts go up in order as they fill, and the
+    object becomes visible only when :meth:`complete` succeeds."""
+
+    def __init__(self, store: FsspecBlobStore, key: str, path: str, part_size: int) -> None:
+        self._store, self._key, self._part_size = store, key, part_size
+        bucket, obj, _ = store.fs.split_path(path)
+        self._where = {"Bucket": bucket, "Key": obj}
+        self._buf = bytearray()
+        self._parts: list[dict[str, Any]] = []
+        self._size = 0
+        self._upload_id: str | None = None
+        created = store._s3(f"opening an upload of {key!r}", "create_multipart_upload", key, **self._where)
+        self._upload_id = str(created["UploadId"])
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            room = self._part_size - len(self._buf)
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) == self._part_size:
+                part, self._buf = bytes(self._buf), bytearray()
+                self._upload(part)
+
+    def _upload(self, body: bytes) -> None:
+        number, store = len(self._parts) + 1, self._store
+        try:
+            answer = store._s3_send(
+                f"uploading {self._key!r} (part {number})", "upload_part", None, body,
+                **self._where, UploadId=self._upload_id, PartNumber=number,
+            )  # fmt: skip
+        except FileNotFoundError as e:
+            raise store._error(f"uploading {self._key!r} (part {number})", e) from e
+        self._parts.append({"PartNumber": number, "ETag": answer["ETag"]})
+        self._size += len(body)
+
+    def complete(self) -> None:
+        if self._buf or not self._parts:
+            part, self._buf = bytes(self._buf), bytearray()
+            self._upload(part)  # the last part, which may be short
+        store, tries = self._store, 0
+
+        def go() -> Any:
+            nonlocal tries
+            tries += 1
+            try:
+                return store.fs.call_s3(
+                    "complete_multipart_upload", **self._where, UploadId=self._upload_id,
+                    MultipartUpload={"Parts": self._parts},
+                )  # fmt: skip
+            except FileNotFoundError:
+                # the upload is gone: if an earlier try completed it (its answer was lost), the
+                # object is there, whole
+                if tries > 1 and self._completed_before():
+                    return None
+                raise
+
+        store._call(f"completing the upload of {self._key!r}", go, self._key)
+
+    def _completed_before(self) -> bool:
+        try:
+            head = self._store.fs.call_s3("head_object", **self._where)
+        except Exception:  # noqa: BLE001 - not there, or unknown: the upload did not complete
+            return False
+        return int(head.get("ContentLength", -1)) == self._size
+
+    def abort(self) -> None:
+        if self._upload_id is None:
+            return
+        upload_id, self._upload_id = self._upload_id, None
+        try:
+            self._store._s3(
+                f"aborting the upload of {self._key!r}", "abort_multipart_upload", None,
+                **self._where, UploadId=upload_id,
+            )  # fmt: skip
+        except (BlobStoreError, FileNotFoundError):
+            pass  # best effort: an unfinished upload is never visible, and gc aborts it later
+
+
 class _ObjectWriter:
     """One new object: bytes are buffered and put in one request; past ``limit`` bytes they
     stream into an upload (S3 multipart) that becomes visible only when completed."""
@@ -65,24 +211,33 @@ class _ObjectWriter:
     def __init__(self, store: FsspecBlobStore, key: str, path: str, limit: int | None) -> None:
         self._store, self._key, self._path, self._limit = store, key, path, limit
         self._buf: io.BytesIO | None = io.BytesIO()
-        self._f: Any = None
+        self._f: Any = None  # an fsspec file (GCS, Azure, …)
+        self._mpu: _MultipartUpload | None = None  # S3
 
     def write(self, data: bytes | memoryview) -> int:
         if self._buf is None:
-            return self._stream(data)
+            self._stream(data)
+            return len(data)
         n = self._buf.write(data)
         if self._limit is not None and self._buf.tell() > self._limit:
             buf, self._buf = self._buf, None
-            try:
-                self._f = self._store.fs.open(self._path, "wb", autocommit=False)
-            except Exception as e:  # noqa: BLE001
-                raise self._store._error(f"opening an upload of {self._key!r}", e) from e
+            store = self._store
+            if store.is_s3:
+                self._mpu = _MultipartUpload(store, self._key, self._path, store.part_size)
+            else:
+                try:
+                    self._f = store.fs.open(self._path, "wb", autocommit=False)
+                except Exception as e:  # noqa: BLE001
+                    raise store._error(f"opening an upload of {self._key!r}", e) from e
             self._stream(buf.getbuffer())
         return n
 
-    def _stream(self, data: bytes | memoryview) -> int:
+    def _stream(self, data: bytes | memoryview) -> None:
+        if self._mpu is not None:
+            self._mpu.write(data)  # each part under the retry loop
+            return
         try:
-            return int(self._f.write(data))
+            self._f.write(data)
         except Exception as e:  # noqa: BLE001 - a part upload failed after the backend's retries
             raise self._store._error(f"uploading {self._key!r}", e) from e
 
@@ -90,7 +245,15 @@ class _ObjectWriter:
         store = self._store
         if self._buf is not None:
             data = self._buf.getvalue()
-            store._call(f"writing {self._key!r}", lambda: store.fs.pipe_file(self._path, data), self._key)
+            if store.is_s3:
+                bucket, obj, _ = store.fs.split_path(self._path)
+                store._s3_send(f"writing {self._key!r}", "put_object", self._key, data, Bucket=bucket, Key=obj)
+            else:
+                store._call(f"writing {self._key!r}", lambda: store.fs.pipe_file(self._path, data), self._key)
+            return
+        if self._mpu is not None:
+            self._mpu.complete()
+            self._mpu = None
             return
         try:
             self._f.close()  # uploads the last part; the object is not visible yet
@@ -99,6 +262,8 @@ class _ObjectWriter:
         store._call(f"completing the upload of {self._key!r}", self._f.commit, self._key)
 
     def discard(self) -> None:
+        if self._mpu is not None:
+            self._mpu.abort()
         if self._f is not None:
             try:
                 self._f.discard()
@@ -141,8 +306,22 @@ class FsspecBlobStore(BlobStore):
             raise StoreConfigError(f"cannot open {url}: {e} (pip install 'ckstore[{protocol}]')") from e
         except (ValueError, TypeError) as e:
             raise StoreConfigError(f"cannot open {url}: {e}") from e
-        if protocol in ("s3", "s3a"):
+        self.is_s3 = protocol in ("s3", "s3a")
+        if self.is_s3:
             self.fs.retries = 1  # s3fs's own loop; ckstore's retry loop takes over
+            if self.fs.session is None:
+                # a session of this store's own, which s3fs keeps for every client it creates
+                from aiobotocore.session import AioSession
+
+                self.fs.session = AioSession(**self.fs.kwargs)
+                self.fs._session_is_owned = False  # never replaced by one with the default handlers
+            _without_expect_continue(self.fs.session)  # a session given in storage_options too
+            config = getattr(self.fs, "config_kwargs", None) or {}
+            self._stall = float(config.get("connect_timeout") or 5) + float(config.get("read_timeout") or 30)
+        else:
+            self._stall = 0.0  # unused: only S3 requests are sent by ckstore itself
+        #: the size of a multipart upload's parts (S3): ``default_block_size``, 5 MiB at least
+        self.part_size = max(_S3_MIN_PART, int(getattr(self.fs, "default_block_size", 0) or 0))
         self.attempts = attempts
         self.root = root.rstrip("/")
         memory = "memory" in _protocols(self.fs)
@@ -165,6 +344,18 @@ class FsspecBlobStore(BlobStore):
             if key is None:
                 raise
             raise BlobNotFoundError(f"no object {key!r} in {self.url}") from e
+
+    def _s3(self, what: str, method: str, key: str | None, **kwargs: Any) -> Any:
+        """One S3 request (an s3fs client call, s3fs's own retries off) under the retry loop."""
+        return self._call(what, lambda: self.fs.call_s3(method, **kwargs), key)
+
+    def _s3_send(self, what: str, method: str, key: str | None, body: bytes, **kwargs: Any) -> Any:
+        """An S3 request with a body (a put, a part) under the retry loop; each try is given up
+        once the server has taken no byte of the body for connect_timeout + read_timeout."""
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        return self._call(what, lambda: sync(fs.loop, _send, fs, method, _Body(body), self._stall, kwargs), key)
 
     @contextmanager
     def _writer(self, key: str) -> Iterator[_ObjectWriter]:

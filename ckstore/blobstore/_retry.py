@@ -35,13 +35,14 @@ _TRANSIENT_CODES = frozenset(
         "ServiceUnavailable",
     }
 )
-# exception classes of botocore, aiohttp and fsspec that mean "the request did not get through";
-# matched by name so this module imports none of them
+# exception classes of botocore, aiohttp, fsspec and ckstore's S3 store that mean "the request did
+# not get through"; matched by name so this module imports none of them
 _TRANSIENT_NAMES = frozenset(
     {
         "EndpointConnectionError",
         "ConnectTimeoutError",
         "ReadTimeoutError",
+        "WriteTimeoutError",
         "ConnectionClosedError",
         "ProxyConnectionError",
         "ServerDisconnectedError",
