@@ -117,8 +117,9 @@ class Group:
         values: list[Any] = outcome[1]
         return values[0]
 
-    def broadcast(self, step: str, outcome: Outcome) -> Any:
-        """Rank 0 sends one value to every rank."""
+    def broadcast(self, step: str, outcome: Outcome, *, final: bool = False) -> Any:
+        """Rank 0 sends one value to every rank (``final``: the commit's last step, after which
+        rank 0 may already have made the checkpoint visible)."""
         return outcome[1]
 
     def settle(self, step: str, outcome: Outcome) -> Any:
@@ -184,12 +185,12 @@ class DistGroup(Group):
         self._check(failures)
         return value
 
-    def broadcast(self, step: str, outcome: Outcome) -> Any:
+    def broadcast(self, step: str, outcome: Outcome, *, final: bool = False) -> Any:
         box: list[Any] = [None]
         if self.rank == 0:
             failures = self._pending(outcome[0])
             box = [(failures, None if failures else outcome[1])]
-        self._call(step, lambda: self.dist.broadcast_object_list(box, group=self.group, group_src=0))
+        self._call(step, lambda: self.dist.broadcast_object_list(box, group=self.group, group_src=0), final=final)
         failures, value = box[0]
         self._check(failures)
         return value
@@ -207,13 +208,19 @@ class DistGroup(Group):
             failures[0] = own
         return failures
 
-    def _call(self, step: str, fn: Callable[[], Any]) -> None:
+    def _call(self, step: str, fn: Callable[[], Any], *, final: bool = False) -> None:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - the backend's own errors vary (gloo, NCCL, timeouts)
+            outcome = (
+                "rank 0 may have committed the checkpoint before contact was lost: `ckstore log` shows "
+                "whether it did"
+                if final
+                else "nothing was committed"
+            )
             raise DistributedCommitError(
                 f"{self.what} failed: rank {self.rank} lost contact with the other ranks while "
-                f"{step} ({_describe(e)}); nothing was committed. Check the other ranks' logs"
+                f"{step} ({_describe(e)}); {outcome}. Check the other ranks' logs"
             ) from (self.error or e)
 
     def _check(self, failures: Mapping[int, str]) -> None:

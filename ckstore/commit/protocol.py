@@ -415,7 +415,14 @@ class StagedCommit:
             ckpt: Checkpoint | None
             outcome = self.g.attempt(local) if self.g.rank == 0 else (None, None)
             if collective:
-                ckpt = self.g.broadcast("making the checkpoint visible", outcome)
+                try:
+                    ckpt = self.g.broadcast("making the checkpoint visible", outcome, final=True)
+                except DistributedCommitError:
+                    if outcome[1] is None:
+                        raise
+                    # rank 0 made it visible, complete, with every rank's packs and manifests: a
+                    # peer lost after handing them over does not undo the commit
+                    ckpt = outcome[1]
             else:  # the caller tells the other ranks (DCP's coordinator does)
                 ckpt = self.g.settle("making the checkpoint visible", outcome)
         except BaseException:
