@@ -48,6 +48,28 @@ PG_CONNECT_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _enter_wal(cur: Any, wait: float = 120.0) -> None:
+    """Put a SQLite database in WAL mode. Switching needs the database to itself, and SQLite
+    answers "database is locked" at once (no busy wait) while another connection, say a second
+    process creating the same store, holds it: retry until ``wait`` seconds have passed."""
+    import sqlite3
+    import time
+
+    deadline = time.monotonic() + wait
+    delay = 0.005
+    while True:
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+                return  # persistent: set once by whoever created the file
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)  # another connection holds the lock: wait for it, with backoff
+            delay = min(delay * 2, 0.2)
+
+
 def make_engine(url: str) -> Engine:
     """An engine for an (already expanded) catalog URL."""
     try:
@@ -62,10 +84,10 @@ def make_engine(url: str) -> Engine:
             def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
                 dbapi_conn.isolation_level = None  # ckstore emits BEGIN itself, below
                 cur = dbapi_conn.cursor()
-                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA busy_timeout=120000")
+                _enter_wal(cur)
                 cur.execute("PRAGMA synchronous=FULL")
                 cur.execute("PRAGMA foreign_keys=ON")
-                cur.execute("PRAGMA busy_timeout=120000")
                 cur.close()
 
             @event.listens_for(engine, "begin")
