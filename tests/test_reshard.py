@@ -5,6 +5,7 @@ through a real store, counting the bytes read from the blob store."""
 from __future__ import annotations
 
 import math
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -412,11 +413,12 @@ def _saved_piece(sc: dict[str, Any], coords: dict[str, int]) -> tuple[tuple[int,
     return tuple(offsets), tuple(sl)
 
 
-@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_layouts_reshard_exactly_and_read_only_overlapping_chunks(sc: dict[str, Any]) -> None:
     src, tgt, shape, cs = sc["src"], sc["tgt"], sc["shape"], sc["chunk_size"]
-    g = random_tensor(sc["dtype"], shape, torch.Generator().manual_seed(hash(str(sc)) % 2**31))
+    seed = zlib.crc32(str(sc).encode())  # the same on every run and machine
+    g = random_tensor(sc["dtype"], shape, torch.Generator().manual_seed(seed))
     rep = torch.arange(5, dtype=torch.int64)
     states, where = {}, {}
     for r in range(src.world_size):
