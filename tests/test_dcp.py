@@ -8,12 +8,7 @@ through ``dcp.save`` and ``dcp.async_save``, a failing rank); a job of 2 ranks a
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,35 +26,10 @@ JOB = Path(__file__).with_name("_dcp_job.py")
 ROOT = Path(__file__).parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_job(scenario: str, world: int, store: Path, timeout: float = 150) -> list[dict[str, Any]]:
-    out = store.parent / f"out-{scenario}-{world}"
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen([sys.executable, str(JOB), scenario, str(store), port, str(r), str(world), str(out)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + timeout
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"job {scenario!r} of {world} ranks hung for {timeout}s")
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} of job {scenario!r} failed:\n{logs[r][-4000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    from test_distributed import run_job as run
+
+    return run(scenario, world, store, store.parent, timeout, job=JOB)
 
 
 def _plain_model_and_opt() -> tuple[Any, Any]:

@@ -41,12 +41,12 @@ def _free_port() -> int:
 
 def run_job(
     scenario: str, world: int, store: Path, tmp: Path, timeout: float = 90, *,
-    env: dict[str, str] | None = None, dies: int | None = None,
+    env: dict[str, str] | None = None, dies: int | None = None, job: Path = JOB,
 ) -> list[dict[str, Any]]:
-    """Run one job of ``world`` ranks (each with its ``RANK`` and ``env`` in its environment);
-    returns each rank's report (None for a rank that died). Rank ``dies`` must die of SIGKILL at
-    the crash point ``env["CKSTORE_CRASH_AT"]`` names, after printing that point."""
-    out = tmp / f"out-{scenario}"
+    """Run one job of ``world`` ranks of script ``job`` (each with its ``RANK`` and ``env`` in its
+    environment); returns each rank's report (None for a rank that died). Rank ``dies`` must die of
+    SIGKILL at the crash point ``env["CKSTORE_CRASH_AT"]`` names, after printing that point."""
+    out = tmp / f"out-{scenario}-{world}"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
@@ -54,7 +54,7 @@ def run_job(
     args = [str(store), str(port)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(JOB), scenario, *args, str(r), str(world), str(out)],
+            [sys.executable, str(job), scenario, *args, str(r), str(world), str(out)],
             env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
