@@ -124,6 +124,14 @@ class TestGcs(BlobStoreConformance):
     def blobs(self, gcs_emulator: GcsEmulator, gcs_bucket: str) -> BlobStore:
         return FsspecBlobStore(f"gs://{gcs_bucket}/store", **gcs_emulator.storage_options())
 
+    @pytest.mark.skip(
+        reason="gcsfs against gcp-storage-emulator sometimes returns another object's bytes under "
+        "concurrent requests (3 of 15 rounds of 8 threads with gcsfs alone, no ckstore code); "
+        "see docs/backends.md"
+    )
+    def test_many_threads(self, blobs: BlobStore) -> None:
+        """Not run on the emulator (the reason above); every other test here runs."""
+
 
 class StreamedUploads:
     """The conformance tests of objects past a small buffer limit, which stream in parts (GCS
