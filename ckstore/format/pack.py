@@ -171,27 +171,37 @@ class PackWriter:
 
 
 def read_index(data: bytes) -> list[tuple[bytes, int, int, int]]:
-    """Parse a whole pack's index: ``[(digest, offset, length, raw_len), …]``.
+    """Parse a whole pack's index: ``[(digest, offset, length, raw_len), …]`` (see
+    :func:`read_index_at`)."""
+    return read_index_at(lambda start, end: bytes(data[start:end]), len(data))
+
+
+def read_index_at(read: Callable[[int, int], bytes], size: int) -> list[tuple[bytes, int, int, int]]:
+    """Parse the index of a pack of ``size`` bytes, reading only its header and its tail through
+    ``read(start, end)``: ``[(digest, offset, length, raw_len), …]``.
 
     Every count and span is checked against the pack's own length before anything is built:
     each frame lies between the header and the index, and is no longer than a frame of its raw
     length can be. Raises :class:`IntegrityError` naming what is wrong.
     """
-    size = len(data)
-    if size < len(PACK_HEADER) + _FOOTER.size or bytes(data[:4]) != PACK_MAGIC:
+    if size < len(PACK_HEADER) + _FOOTER.size:
         raise IntegrityError("not a ckstore pack (bad header)")
-    if bytes(data[4:8]) != PACK_HEADER[4:]:
-        raise IntegrityError(f"pack format version {data[4]} is not supported by this ckstore (it reads {PACK_VERSION})")
-    count, magic = _FOOTER.unpack_from(data, size - _FOOTER.size)
+    head = read(0, len(PACK_HEADER))
+    if head[:4] != PACK_MAGIC:
+        raise IntegrityError("not a ckstore pack (bad header)")
+    if head[4:8] != PACK_HEADER[4:]:
+        raise IntegrityError(f"pack format version {head[4]} is not supported by this ckstore (it reads {PACK_VERSION})")
+    count, magic = _FOOTER.unpack(read(size - _FOOTER.size, size))
     if magic != INDEX_MAGIC:
         raise IntegrityError("pack footer is damaged")
     room = size - _FOOTER.size - len(PACK_HEADER)
     if count * _INDEX_ENTRY.size > room:
         raise IntegrityError(f"pack index claims {count} chunks, more than a pack of {size} bytes can hold")
     start = size - _FOOTER.size - count * _INDEX_ENTRY.size
+    tail = read(start, size - _FOOTER.size) if count else b""
     out = []
     for i in range(count):
-        digest, offset, length, raw_len = _INDEX_ENTRY.unpack_from(data, start + i * _INDEX_ENTRY.size)
+        digest, offset, length, raw_len = _INDEX_ENTRY.unpack_from(tail, i * _INDEX_ENTRY.size)
         if offset < len(PACK_HEADER) or offset + length > start:
             raise IntegrityError(
                 f"pack index entry {i} spans bytes [{offset}, {offset + length}), outside the frames "

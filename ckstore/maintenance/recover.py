@@ -19,7 +19,6 @@ twice, or over a catalog that still has part of the store.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,8 +42,6 @@ from .gc import list_packs
 __all__ = ["RecoverReport", "RecordCheck", "recover", "backfill", "check_records", "read_pack_index"]
 
 Progress = Callable[[str, int, int], None]
-_FOOTER = struct.Struct("<I4s")
-_ENTRY = struct.Struct("<16sQII")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,29 +80,14 @@ class RecordCheck:
 
 def read_pack_index(blobs: BlobStore, key: str, size: int) -> list[tuple[bytes, int, int, int]]:
     """A pack's index ``[(digest, offset, length, raw_len), …]``, reading only its header and
-    tail; every span is checked against the pack's size (:class:`IntegrityError` otherwise)."""
-    # numpy comes with these: not on catalog-only paths (fsck without --deep checks records)
-    from ..format.codec import HEADER_SIZE, max_frame_length
-    from ..format.pack import PACK_HEADER
+    tail; every span is checked against the pack's size (:class:`IntegrityError` naming it)."""
+    # numpy comes with the format's pack module: not on catalog-only paths (fsck without --deep)
+    from ..format.pack import read_index_at
 
-    if size < len(PACK_HEADER) + _FOOTER.size:
-        raise IntegrityError(f"pack {key} is {size} bytes, too short to be a pack")
-    if blobs.read(key, 0, len(PACK_HEADER)) != PACK_HEADER:
-        raise IntegrityError(f"pack {key} has a bad header")
-    count, magic = _FOOTER.unpack(blobs.read(key, size - _FOOTER.size, size))
-    if magic != b"CKPI":
-        raise IntegrityError(f"pack {key} has a damaged footer")
-    start = size - _FOOTER.size - count * _ENTRY.size
-    if start < len(PACK_HEADER):
-        raise IntegrityError(f"pack {key} claims {count} chunks, more than {size} bytes can hold")
-    tail = blobs.read(key, start, size - _FOOTER.size) if count else b""
-    out = []
-    for i in range(count):
-        digest, offset, length, raw = _ENTRY.unpack_from(tail, i * _ENTRY.size)
-        if offset < len(PACK_HEADER) or offset + length > start or not HEADER_SIZE <= length <= max_frame_length(raw):
-            raise IntegrityError(f"pack {key}: index entry {i} spans [{offset}, {offset + length}) for {raw} raw bytes")
-        out.append((digest, offset, length, raw))
-    return out
+    try:
+        return read_index_at(lambda start, end: blobs.read(key, start, end), size)
+    except IntegrityError as e:
+        raise IntegrityError(f"pack {key}: {e}") from None
 
 
 def _read_records(blobs: BlobStore, workers: int) -> tuple[list[CheckpointRecord], list[tuple[str, Event]], list[tuple[str, str]]]:
