@@ -16,7 +16,8 @@ The points, in the order a commit reaches them (docs/reliability.md, "Kill point
 ``pack.registered``
     a pack's catalog row is recorded (or its key taken), its object not yet opened
 ``pack.mid``
-    a pack's object has its header and one chunk frame written, not yet complete
+    a pack's object has its header and at least one chunk frame written, not yet complete
+    (small frames are gathered and written about a megabyte at a time)
 ``pack.durable``
     a pack's object is complete and durable (renamed / put), its chunk rows not yet recorded
 ``pack.chunks_recorded``

@@ -137,13 +137,17 @@ class CommitMixin(RunsMixin):
             for batch in batches(wanted):
                 rows = conn.execute(select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(batch))).all()
                 if rows:
-                    conn.execute(
-                        self._insert(CHUNK_REFS)
-                        .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
-                        .on_conflict_do_nothing()
-                    )
+                    self._reference(conn, ckpt_id, [r.id for r in rows])
                     found.update(bytes(r.digest) for r in rows)
         return set(wanted) - found
+
+    def _reference(self, conn: Connection, ckpt_id: int, chunk_ids: Sequence[int]) -> None:
+        """Reference chunks from a checkpoint (a reference already there is kept)."""
+        if chunk_ids:
+            conn.execute(
+                self._insert(CHUNK_REFS).on_conflict_do_nothing(),
+                [{"checkpoint_id": ckpt_id, "chunk_id": i} for i in chunk_ids],
+            )
 
     def register_pack(self, ckpt_id: int, owner: Owner, key: str) -> int:
         """Record a pack before its object is written, owned by the pending checkpoint."""
@@ -182,34 +186,30 @@ class CommitMixin(RunsMixin):
             self._own_pending(conn, ckpt_id, owner)
             for pack_id, pack_size, _ in packs:
                 conn.execute(update(PACKS).where(PACKS.c.id == pack_id).values(size=pack_size))
+            # executemany of one cached statement: a multi-row VALUES would be compiled anew for
+            # every batch, which costs more than the inserts themselves
+            insert_chunk = self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"])
             for batch in batches(ordered):
                 conn.execute(
-                    self._insert(CHUNKS)
-                    .values(
-                        [
-                            {
-                                "digest": c.digest,
-                                "pack_id": pack_id,
-                                "offset": c.offset,
-                                "length": c.length,
-                                "raw_size": c.raw_size,
-                                "codec": c.codec,
-                            }
-                            for pack_id, c in batch
-                        ]
-                    )
-                    .on_conflict_do_nothing(index_elements=["digest"])
+                    insert_chunk,
+                    [
+                        {
+                            "digest": c.digest,
+                            "pack_id": pack_id,
+                            "offset": c.offset,
+                            "length": c.length,
+                            "raw_size": c.raw_size,
+                            "codec": c.codec,
+                        }
+                        for pack_id, c in batch
+                    ],
                 )
                 rows = conn.execute(
                     select(CHUNKS.c.id, CHUNKS.c.pack_id, CHUNKS.c.length).where(
                         CHUNKS.c.digest.in_([c.digest for _, c in batch])
                     )
                 ).all()
-                conn.execute(
-                    self._insert(CHUNK_REFS)
-                    .values([{"checkpoint_id": ckpt_id, "chunk_id": r.id} for r in rows])
-                    .on_conflict_do_nothing()
-                )
+                self._reference(conn, ckpt_id, [r.id for r in rows])
                 added += sum(int(r.length) for r in rows if r.pack_id in ours)
         return added
 

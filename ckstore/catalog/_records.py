@@ -132,9 +132,8 @@ class RecordsMixin(QueriesMixin):
         with self._write(lock="shared") as conn:
             for batch in batches(list(packs)):
                 conn.execute(
-                    self._insert(PACKS)
-                    .values([{"key": k, "size": s, "created_at": now, "owner_checkpoint_id": None} for k, s in batch])
-                    .on_conflict_do_nothing(index_elements=["key"])
+                    self._insert(PACKS).on_conflict_do_nothing(index_elements=["key"]),
+                    [{"key": k, "size": s, "created_at": now, "owner_checkpoint_id": None} for k, s in batch],
                 )
 
     def restore_chunks(self, chunks: Sequence[RestoredChunk]) -> None:
@@ -146,16 +145,13 @@ class RecordsMixin(QueriesMixin):
                 ids.update({r.key: r.id for r in conn.execute(select(PACKS.c.id, PACKS.c.key).where(PACKS.c.key.in_(batch)))})
             for cbatch in batches(list(chunks)):
                 conn.execute(
-                    self._insert(CHUNKS)
-                    .values(
-                        [
-                            {"digest": c.digest, "pack_id": ids[c.pack_key], "offset": c.offset, "length": c.length,
-                             "raw_size": c.raw_size, "codec": c.codec}
-                            for c in cbatch
-                        ]
-                    )  # fmt: skip
-                    .on_conflict_do_nothing(index_elements=["digest"])
-                )
+                    self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"]),
+                    [
+                        {"digest": c.digest, "pack_id": ids[c.pack_key], "offset": c.offset, "length": c.length,
+                         "raw_size": c.raw_size, "codec": c.codec}
+                        for c in cbatch
+                    ],
+                )  # fmt: skip
 
     def restore_run(
         self, name: str, created_at: datetime, *, parent: Ident | None = None, parent_ref: str | None = None,

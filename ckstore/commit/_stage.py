@@ -174,6 +174,17 @@ def _live_digests(t: Any, chunk_size: int) -> list[bytes] | None:
     return [hashing.digest(data[i * chunk_size : (i + 1) * chunk_size]) for i in range(-(-n // chunk_size))]
 
 
+#: Chunks below this size go into packs of their own, ahead of the large ones. Small tensors
+#: (RNG states, step counters, norms) often outlive the checkpoint that first stored them; kept
+#: apart, such a chunk pins a small pack rather than a pack full of large, short-lived chunks.
+SMALL_CHUNK = 256 * 1024
+#: Small chunks are hashed and encoded in batches of about this many bytes, or this many chunks.
+SMALL_BATCH = 1 << 20
+SMALL_BATCH_CHUNKS = 1024
+
+_Batch = list[tuple[bytes, memoryview, int]]  # chunks to encode: (digest, raw bytes, itemsize)
+
+
 def hash_staged(
     entries: Sequence[PreparedEntry],
     staged: Sequence[StagedTensor],
@@ -186,16 +197,31 @@ def hash_staged(
         e = entries[st.entry]
         st.shard = specs.get((e.rank, e.sub_key, st.path))
 
-    def hash_all(st: StagedTensor) -> list[bytes]:
-        n = st.data.nbytes
-        return [hashing.digest(st.chunk(i, chunk_size)) for i in range(-(-n // chunk_size))]
+    def hash_all(group: list[StagedTensor]) -> None:
+        for st in group:
+            n = st.data.nbytes
+            st.digests = [hashing.digest(st.chunk(i, chunk_size)) for i in range(-(-n // chunk_size))]
 
-    # one task per tensor: xxh3 releases the GIL, so tensors hash in parallel
-    futures: list[tuple[StagedTensor, Future[list[bytes]]]] = [
-        (st, pool.submit(hash_all, st)) for st in staged if not st.hashed
-    ]
-    for st, fut in futures:
-        st.digests = fut.result()
+    # xxh3 releases the GIL, so tensors hash in parallel: a task per large tensor, one per batch
+    # of small ones
+    groups: list[list[StagedTensor]] = []
+    small: list[StagedTensor] = []
+    small_bytes = 0
+    for st in staged:
+        if st.hashed:
+            continue
+        if st.data.nbytes >= SMALL_CHUNK:
+            groups.append([st])
+            continue
+        small.append(st)
+        small_bytes += st.data.nbytes
+        if small_bytes >= SMALL_BATCH or len(small) >= SMALL_BATCH_CHUNKS:
+            groups.append(small)
+            small, small_bytes = [], 0
+    if small:
+        groups.append(small)
+    for fut in [pool.submit(hash_all, group) for group in groups]:
+        fut.result()
 
 
 def stage_and_hash(
@@ -208,12 +234,6 @@ def stage_and_hash(
     staged = stage(entries)
     hash_staged(entries, staged, specs, chunk_size, pool)
     return staged
-
-
-#: Chunks below this size go into packs of their own, ahead of the large ones. Small tensors
-#: (RNG states, step counters, norms) often outlive the checkpoint that first stored them; kept
-#: apart, such a chunk pins a small pack rather than a pack full of large, short-lived chunks.
-SMALL_CHUNK = 256 * 1024
 
 
 def _unique_missing(
@@ -245,31 +265,55 @@ def write_missing(
     window: int,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Encode the chunks in ``missing`` on the pool, in order, and append them to packs."""
-    inflight: deque[tuple[bytes, memoryview, Future[codec.Frame]]] = deque()
+    """Encode the chunks in ``missing`` on the pool, in order, and append them to packs.
+
+    Small chunks are encoded in batches of about :data:`SMALL_BATCH` bytes, a pool task each:
+    thousands of tiny tensors cost a few tasks, not one each."""
+    inflight: deque[tuple[_Batch, Future[list[codec.Frame]]]] = deque()
+
+    def encode_all(batch: _Batch) -> list[codec.Frame]:
+        return [codec.encode(raw, item, level) for _, raw, item in batch]
 
     def drain_one() -> None:
-        d, raw, fut = inflight.popleft()
-        writer.add(d, fut.result(), raw.nbytes)
-        if progress is not None:
-            progress(raw.nbytes)
+        batch, fut = inflight.popleft()
+        for (d, raw, _), frame in zip(batch, fut.result()):
+            writer.add(d, frame, raw.nbytes)
+            if progress is not None:
+                progress(raw.nbytes)
+
+    def submit(batch: _Batch) -> None:
+        inflight.append((batch, pool.submit(encode_all, batch)))
+        if len(inflight) >= window:
+            drain_one()
 
     try:
         small = True
+        pending: _Batch = []
+        pending_bytes = 0
         for d, raw, item in _unique_missing(staged, missing, chunk_size):
             if small and raw.nbytes >= SMALL_CHUNK:  # close the pack of small chunks
                 small = False
+                if pending:
+                    submit(pending)
+                    pending, pending_bytes = [], 0
                 while inflight:
                     drain_one()
                 writer.close()
-            inflight.append((d, raw, pool.submit(codec.encode, raw, item, level)))
-            if len(inflight) >= window:
-                drain_one()
+            if not small:
+                submit([(d, raw, item)])
+                continue
+            pending.append((d, raw, item))
+            pending_bytes += raw.nbytes
+            if pending_bytes >= SMALL_BATCH or len(pending) >= SMALL_BATCH_CHUNKS:
+                submit(pending)
+                pending, pending_bytes = [], 0
+        if pending:
+            submit(pending)
         while inflight:
             drain_one()
         writer.close()
     except BaseException:
-        for _, _, fut in inflight:
+        for _, fut in inflight:
             fut.cancel()
         writer.abort()
         raise

@@ -41,6 +41,10 @@ _INDEX_ENTRY = struct.Struct("<16sQII")
 _FOOTER = struct.Struct("<I4s")
 
 
+# frames shorter than this are gathered in memory and written _BUFFER bytes at a time
+_SMALL_FRAME = 64 * 1024
+_BUFFER = 1 << 20
+
 #: Every pack key starts with this; readers refuse catalog rows naming any other key.
 PACK_PREFIX = "packs/"
 
@@ -93,13 +97,21 @@ class PackWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._uploads: list[Future[None]] = []
         self._count_lock = threading.Lock()
+        self._buf = bytearray()  # small frames not written yet, at most about _BUFFER bytes
 
     def add(self, digest: bytes, frame: Frame, raw_size: int) -> None:
         if self._w is None:
             self._open()
-        for part in frame.parts:
-            self._w.write(part)
-        crash_point("pack.mid")
+        if frame.length < _SMALL_FRAME:  # gathered, so thousands of tiny chunks are a few writes
+            for part in frame.parts:
+                self._buf += part
+            if len(self._buf) >= _BUFFER:
+                self._flush()
+        else:
+            self._flush()
+            for part in frame.parts:
+                self._w.write(part)
+            crash_point("pack.mid")
         self._chunks.append(PackedChunk(digest, self._pos, frame.length, raw_size, frame.codec))
         self._pos += frame.length
         if self._pos >= self.target_size:
@@ -112,6 +124,7 @@ class PackWriter:
         self._shutdown()
 
     def abort(self) -> None:
+        self._buf = bytearray()
         if self._stack is not None:
             stack, self._stack, self._w = self._stack, None, None
             try:
@@ -138,7 +151,7 @@ class PackWriter:
         crash_point("pack.registered")
         self._stack = ExitStack()
         self._w = self._stack.enter_context(self.blobs.writer(key))
-        self._w.write(PACK_HEADER)
+        self._buf = bytearray(PACK_HEADER)
         self._pos = len(PACK_HEADER)
         self._chunks = []
 
@@ -149,6 +162,7 @@ class PackWriter:
                 if fut.done() and fut.exception() is not None:
                     fut.result()
             self._settle(max(0, len(self._uploads) - self._inflight + 1))
+        self._flush()
         index = b"".join(_INDEX_ENTRY.pack(c.digest, c.offset, c.length, c.raw_size) for c in self._chunks)
         self._w.write(index)
         self._w.write(_FOOTER.pack(len(self._chunks), INDEX_MAGIC))
@@ -161,6 +175,13 @@ class PackWriter:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckstore-pack")
         self._uploads.append(self._pool.submit(self._complete, stack, self._pack_id, size, chunks))
+
+    def _flush(self) -> None:
+        """Write the gathered small frames (and the pack's header) to the pack's object."""
+        if self._buf:
+            self._w.write(self._buf)
+            self._buf = bytearray()
+            crash_point("pack.mid")
 
     def _complete(self, stack: ExitStack, pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
         stack.close()  # the object becomes visible (and durable) here
