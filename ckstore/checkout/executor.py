@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,7 +45,7 @@ class _Read:
     chunks: list[tuple[bytes, ChunkLocation]]
 
 
-def _coalesce(digests: Sequence[bytes], locs: dict[bytes, ChunkLocation]) -> list[_Read]:
+def _coalesce(digests: Sequence[bytes], locs: dict[bytes, ChunkLocation], max_read: int = COALESCE_MAX) -> list[_Read]:
     by_pack: dict[str, list[tuple[bytes, ChunkLocation]]] = defaultdict(list)
     for d in digests:
         loc = locs[d]
@@ -62,7 +62,7 @@ def _coalesce(digests: Sequence[bytes], locs: dict[bytes, ChunkLocation]) -> lis
                 cur is not None
                 and gap <= COALESCE_GAP
                 and (gap <= COALESCE_SMALL or gap * COALESCE_WASTE <= useful + loc.length)
-                and end - cur.start <= COALESCE_MAX
+                and end - cur.start <= max_read
             ):
                 cur.end = max(cur.end, end)
                 cur.chunks.append((d, loc))
@@ -121,7 +121,7 @@ def execute_plan(
             by_digest: dict[bytes, list[ChunkCopy]] = defaultdict(list)
             for c in copies:
                 by_digest[c.digest].append(c)
-            reads = _coalesce(list(by_digest), locs)
+            reads = _coalesce(list(by_digest), locs, _max_read(by_digest, locs, workers))
 
             def run(rd: _Read, lv: dict[int, np.ndarray] = local_views, bd: dict[bytes, list[ChunkCopy]] = by_digest) -> None:
                 try:
@@ -160,6 +160,14 @@ def execute_plan(
                     dst_sl = tuple(slice(a, b) for a, b in bx.dst_box)
                     dst[dst_sl] = staged[src_sl]
     return tensors
+
+
+def _max_read(digests: Iterable[bytes], locs: dict[bytes, ChunkLocation], workers: int) -> int:
+    """The longest coalesced read for these chunks: up to :data:`COALESCE_MAX`, but short enough
+    that there are about two reads per worker, so that decoding (the bulk of a checkout from
+    the page cache) runs on every worker even when the whole checkpoint sits in one pack."""
+    total = sum(locs[d].length for d in digests)
+    return max(COALESCE_SMALL, min(COALESCE_MAX, total // max(1, 2 * workers)))
 
 
 def _check_location(c: ChunkCopy, loc: ChunkLocation | None, where: str) -> None:

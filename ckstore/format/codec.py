@@ -124,8 +124,7 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
 
     planes: list[bytes | memoryview] = []
-    for j in range(itemsize):
-        plane = np.ascontiguousarray(a[j::itemsize])
+    for j, plane in enumerate(_split(a, itemsize)):
         if mask >> j & 1:
             comp = pc.compress(plane.data)
             if len(comp) < plane.nbytes:
@@ -238,17 +237,51 @@ def _planes_into(body: memoryview, out: memoryview, itemsize: int, mask: int) ->
         )
     per_plane = n // itemsize
     dst = np.frombuffer(out, dtype=np.uint8)
+    planes: list[np.ndarray] = []
     scratch: np.ndarray | None = None
     pos = table
     for j, ln in enumerate(lengths):
         part = body[pos : pos + ln]
         pos += ln
         if mask >> j & 1:
-            if scratch is None:
-                scratch = np.empty(per_plane, dtype=np.uint8)
-            _unzstd(part, scratch.data, f"byte plane {j}")
-            dst[j::itemsize] = scratch
+            if itemsize == 2:  # both planes are needed at once (see _merge)
+                plane = np.empty(per_plane, dtype=np.uint8)
+            else:
+                if scratch is None:
+                    scratch = np.empty(per_plane, dtype=np.uint8)
+                plane = scratch
+            _unzstd(part, plane.data, f"byte plane {j}")
         else:
             if part.nbytes != per_plane:
                 raise IntegrityError(f"byte plane {j} holds {part.nbytes} bytes, expected {per_plane}")
-            dst[j::itemsize] = np.frombuffer(part, dtype=np.uint8)
+            plane = np.frombuffer(part, dtype=np.uint8)
+        if itemsize == 2:
+            planes.append(plane)
+        else:
+            dst[j::itemsize] = plane
+    if itemsize == 2:
+        _merge2(planes[0], planes[1], dst)
+
+
+def _split(a: np.ndarray, itemsize: int) -> list[np.ndarray]:
+    """The byte planes of ``a`` (``a[j::itemsize]`` for each j), contiguous.
+
+    Two-byte elements (bf16, fp16, int16) are split with vectorised shifts and narrowing casts
+    on 16-bit words, about twice as fast as the strided byte copies used for other sizes."""
+    if itemsize != 2:
+        return [np.ascontiguousarray(a[j::itemsize]) for j in range(itemsize)]
+    words = a.view("<u2")
+    low = np.empty(words.size, dtype=np.uint8)
+    np.copyto(low, words, casting="unsafe")  # keeps the low byte
+    high = np.empty(words.size, dtype=np.uint8)
+    np.copyto(high, words >> 8, casting="unsafe")
+    return [low, high]
+
+
+def _merge2(low: np.ndarray, high: np.ndarray, dst: np.ndarray) -> None:
+    """Interleave two byte planes into ``dst`` (the inverse of :func:`_split` for two-byte
+    elements), with widening casts and shifts on 16-bit words."""
+    words = dst.view("<u2")
+    np.copyto(words, high, casting="unsafe")
+    np.left_shift(words, 8, out=words)
+    np.bitwise_or(words, low, out=words, casting="unsafe")
