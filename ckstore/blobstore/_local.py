@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +31,50 @@ from ._base import (
 )
 
 __all__ = ["LocalBlobStore"]
+
+
+class _Flusher:
+    """A temp file that makes what was written durable while the writer goes on writing.
+
+    Every :data:`_FLUSH_EVERY` bytes a background thread runs ``fdatasync`` on the file (one at
+    a time), so the disk writes a large object while its later bytes are still being produced
+    (compressed, say) and the final ``fdatasync`` in :meth:`finish` has only the tail left.
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self._since = 0
+        self._thread: threading.Thread | None = None
+
+    def write(self, data: bytes | memoryview) -> int | None:
+        n = self._f.write(data)
+        self._since += memoryview(data).nbytes
+        if self._since >= _FLUSH_EVERY and (self._thread is None or not self._thread.is_alive()):
+            self._since = 0
+            self._thread = threading.Thread(target=_quiet_fdatasync, args=(self._f.fileno(),), daemon=True)
+            self._thread.start()
+        return n
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def finish(self) -> None:
+        """Make every byte written durable (errors raise here, not in the background)."""
+        self.join()
+        os.fdatasync(self._f.fileno())
+
+
+#: how many bytes a local writer lets pile up before it starts making them durable
+_FLUSH_EVERY = 8 << 20
+
+
+def _quiet_fdatasync(fd: int) -> None:
+    try:
+        os.fdatasync(fd)
+    except OSError:  # the writer's own fdatasync at the end reports the failure
+        pass
 
 
 class LocalBlobStore(BlobStore):
@@ -69,11 +114,12 @@ class LocalBlobStore(BlobStore):
     def _writer(self, key: str) -> Iterator[IO[bytes]]:
         path = self._path(key)
         tmp, f = self._open_temp()
+        flusher = _Flusher(f) if self.fsync else None
         try:
             try:
-                yield f
-                if self.fsync:
-                    os.fdatasync(f.fileno())
+                yield flusher if flusher is not None else f  # type: ignore[misc]
+                if flusher is not None:
+                    flusher.finish()
                 parent = os.path.dirname(path)
                 if not os.path.isdir(parent):
                     os.makedirs(parent, exist_ok=True)
@@ -86,6 +132,8 @@ class LocalBlobStore(BlobStore):
                 _unlink(tmp)
                 raise
         finally:
+            if flusher is not None:
+                flusher.join()
             f.close()
 
     def _put_exclusive(self, key: str, data: memoryview) -> None:
