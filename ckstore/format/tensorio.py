@@ -73,17 +73,23 @@ def stored_itemsize(name: str) -> int:
     return size
 
 
-def _check_storable(t: torch.Tensor, where: str) -> None:
+def _check_storable(t: torch.Tensor, keys: tuple[Any, ...], at: Callable[[tuple[Any, ...]], str]) -> None:
+    """Refuse a tensor ckstore cannot store; ``at(keys)`` names it (formatted only on failure)."""
+    problem = _unstorable(t)
+    if problem is not None:
+        raise UnsupportedValueError(f"{at(keys)}: {problem}")
+
+
+def _unstorable(t: torch.Tensor) -> str | None:
     if t.layout != torch.strided:
-        raise UnsupportedValueError(
-            f"{where}: tensors of layout {t.layout} cannot be stored; convert with .to_dense() first"
-        )
+        return f"tensors of layout {t.layout} cannot be stored; convert with .to_dense() first"
     if t.is_quantized:
-        raise UnsupportedValueError(f"{where}: quantized tensors cannot be stored; dequantize first")
+        return "quantized tensors cannot be stored; dequantize first"
     if t.device.type == "meta":
-        raise UnsupportedValueError(f"{where}: a meta tensor has no data to store")
+        return "a meta tensor has no data to store"
     if getattr(t, "is_nested", False):
-        raise UnsupportedValueError(f"{where}: nested tensors cannot be stored")
+        return "nested tensors cannot be stored"
+    return None
 
 
 def raw_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
@@ -308,19 +314,19 @@ def flatten(
             hooked = tensor_hook(x)
             if hooked is not None:
                 hooked.keys = keys
-                _check_storable(hooked.tensor, at(keys))
+                _check_storable(hooked.tensor, keys, at)
                 leaves.append(hooked)
                 values.append(keys)
                 return ["T", len(leaves) - 1]
         if isinstance(x, Shard):
             if not isinstance(x.tensor, torch.Tensor):
                 raise UnsupportedValueError(f"{at(keys)}: Shard must wrap a torch.Tensor")
-            _check_storable(x.tensor, at(keys))
+            _check_storable(x.tensor, keys, at)
             leaves.append(Leaf(keys, x.tensor, x))
             values.append(keys)
             return ["T", len(leaves) - 1]
         if isinstance(x, torch.Tensor):
-            _check_storable(x, at(keys))
+            _check_storable(x, keys, at)
             leaves.append(Leaf(keys, x, None))
             values.append(keys)
             return ["T", len(leaves) - 1]
