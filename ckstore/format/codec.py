@@ -46,6 +46,7 @@ CODEC_PLANES = 2
 HEADER_SIZE = 8
 _HEADER = struct.Struct("<BBHI")
 _SAMPLE_BYTES = 16 * 1024
+_MIN_COMPRESS = 128  # chunks shorter than this are stored raw, without trying to compress them
 _SHRINK_ENOUGH = 0.92  # a plane is compressed only if its sample shrinks below this ratio
 
 _local = threading.local()
@@ -106,6 +107,8 @@ def _shrinks(sample: np.ndarray, c: zstandard.ZstdCompressor) -> bool:
 def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
     """Encode one chunk's raw bytes; ``raw`` must stay alive until the frame is written."""
     n = raw.nbytes
+    if n < _MIN_COMPRESS:  # a zstd frame's own overhead leaves nothing worth saving
+        return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
     a = np.frombuffer(raw, dtype=np.uint8)
     if itemsize <= 1 or n % itemsize or n < 2 * itemsize:
         if _shrinks(a[:_SAMPLE_BYTES], _compressor(level)):
