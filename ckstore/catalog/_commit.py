@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, delete, func, literal, select, update
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
@@ -204,13 +204,21 @@ class CommitMixin(RunsMixin):
                         for pack_id, c in batch
                     ],
                 )
-                rows = conn.execute(
-                    select(CHUNKS.c.id, CHUNKS.c.pack_id, CHUNKS.c.length).where(
-                        CHUNKS.c.digest.in_([c.digest for _, c in batch])
+                digests = [c.digest for _, c in batch]
+                # reference every chunk of the batch, ours or the row another commit recorded first
+                conn.execute(
+                    self._insert(CHUNK_REFS)
+                    .from_select(
+                        ["checkpoint_id", "chunk_id"],
+                        select(literal(ckpt_id), CHUNKS.c.id).where(CHUNKS.c.digest.in_(digests)),
                     )
-                ).all()
-                self._reference(conn, ckpt_id, [r.id for r in rows])
-                added += sum(int(r.length) for r in rows if r.pack_id in ours)
+                    .on_conflict_do_nothing()
+                )
+                added += conn.execute(
+                    select(func.coalesce(func.sum(CHUNKS.c.length), 0)).where(
+                        CHUNKS.c.digest.in_(digests), CHUNKS.c.pack_id.in_(ours)
+                    )
+                ).scalar_one()
         return added
 
     def finish_checkpoint(
