@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, delete, func, literal, select, update
@@ -232,8 +233,10 @@ class CommitMixin(RunsMixin):
         logical_bytes: int,
         stored_bytes_added: int,
         replace: bool,
+        committed_at: datetime | None = None,
     ) -> Checkpoint:
-        """Make the pending checkpoint visible, in one transaction."""
+        """Make the pending checkpoint visible, in one transaction; ``committed_at``: the commit
+        time its blob-store record holds (now, when it has none)."""
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
@@ -269,14 +272,12 @@ class CommitMixin(RunsMixin):
                     )
                 for name in dict.fromkeys(tags):
                     self._set_tag(conn, row.run_id, name, ckpt_id)
-                # a commit time stamped with the checkpoint's record (stamp_commit_time) is kept
-                stamped = conn.execute(select(CHECKPOINTS.c.committed_at).where(CHECKPOINTS.c.id == ckpt_id)).scalar()
                 conn.execute(
                     update(CHECKPOINTS)
                     .where(CHECKPOINTS.c.id == ckpt_id)
                     .values(
                         status=COMMITTED,
-                        committed_at=utcnow() if stamped is None else aware(stamped),
+                        committed_at=committed_at or utcnow(),
                         logical_bytes=logical_bytes,
                         stored_bytes_added=stored_bytes_added,
                     )

@@ -16,7 +16,6 @@ from datetime import datetime
 
 from sqlalchemy import Connection, select, update
 
-from ._owner import Owner
 from ._queries import QueriesMixin
 from ._rows import (
     CHECKPOINTS,
@@ -89,16 +88,6 @@ class RecordsMixin(QueriesMixin):
             row.world_layout, parent,
             tuple((bytes(c.digest), c.key, int(c.offset), int(c.length), int(c.raw_size), int(c.codec)) for c in chunks),
         )  # fmt: skip
-
-    def stamp_commit_time(self, ckpt_id: int, owner: Owner, when: datetime) -> None:
-        """Set the time a pending checkpoint of ours will show as committed (its record holds the
-        same time, so a rebuilt catalog shows it unchanged)."""
-        with self._write() as conn:
-            conn.execute(
-                update(CHECKPOINTS)
-                .where(CHECKPOINTS.c.id == ckpt_id, CHECKPOINTS.c.owner == str(owner))
-                .values(committed_at=when)
-            )
 
     def identity(self, ckpt_id: int) -> tuple[Ident, datetime] | None:
         """A checkpoint's identity and its run's creation time (None: no such row)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from .._crash import crash_point
@@ -13,11 +14,14 @@ from ..format.recordio import write_checkpoint_record
 __all__ = ["write_record"]
 
 
-def write_record(ctx: Any, ckpt_id: int, owner: Owner, args: Any, manifests: Sequence[tuple[int, str, bytes, int]], added: int) -> None:
+def write_record(
+    ctx: Any, ckpt_id: int, owner: Owner, args: Any, manifests: Sequence[tuple[int, str, bytes, int]], added: int
+) -> datetime:
     """Write the pending checkpoint ``ckpt_id``'s record (``args``: the commit's checked
-    arguments) and stamp its commit time, before it is made visible."""
-    write_checkpoint_record(
-        ctx.blobs, ctx.catalog, ckpt_id, owner, metrics=args.metrics, tags=args.tags, entries=manifests,
+    arguments) before it is made visible; returns the commit time it holds, for the catalog."""
+    rec = write_checkpoint_record(
+        ctx.blobs, ctx.catalog, ckpt_id, metrics=args.metrics, tags=args.tags, entries=manifests,
         stored_bytes_added=added,
     )  # fmt: skip
     crash_point("record.written")
+    return rec.committed_at

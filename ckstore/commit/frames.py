@@ -77,13 +77,14 @@ def commit_frames(
                 writer.abort()
                 raise
             beat.check()
-            write_checkpoint_record(
-                ctx.blobs, catalog, ckpt_id, owner, metrics=args.metrics, tags=args.tags, entries=entries,
+            rec = write_checkpoint_record(
+                ctx.blobs, catalog, ckpt_id, metrics=args.metrics, tags=args.tags, entries=entries,
                 stored_bytes_added=sum(added),
             )  # fmt: skip
             ckpt = catalog.finish_checkpoint(
                 ckpt_id, owner, entries=entries, metrics=args.metrics, tags=args.tags,
                 logical_bytes=sum(e[3] for e in entries), stored_bytes_added=sum(added), replace=False,
+                committed_at=rec.committed_at,
             )  # fmt: skip
     except BaseException:
         try:

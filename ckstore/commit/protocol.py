@@ -402,10 +402,11 @@ class StagedCommit:
             added = sum(self.added) + (catalog.add_packs(self.ckpt_id, self.owner, packs) if packs else 0)
             manifests = [m for _, ms in self.results for m in ms]
             # the checkpoint's record in the blob store, durable before the checkpoint is visible
-            write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added)
+            when = write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added)
             ckpt = catalog.finish_checkpoint(
                 self.ckpt_id, self.owner, entries=manifests, metrics=self.args.metrics, tags=self.args.tags,
                 logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=added, replace=self.replace,
+                committed_at=when,
             )  # fmt: skip
             self.ckpt_id = None  # visible now: nothing to abort
             return ckpt

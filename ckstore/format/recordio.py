@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..blobstore import BlobStore
-from ..catalog import Catalog, Owner, utcnow
+from ..catalog import Catalog, utcnow
 from ..errors import CheckpointNotFoundError
 from ..layout import WorldLayout
 from ..records import Checkpoint
@@ -27,20 +27,20 @@ def write_checkpoint_record(
     blobs: BlobStore,
     catalog: Catalog,
     ckpt_id: int,
-    owner: Owner,
     *,
     metrics: Mapping[str, float],
     tags: Sequence[str],
     entries: Sequence[tuple[int, str, bytes, int]],
     stored_bytes_added: int,
 ) -> CheckpointRecord:
+    """Write pending checkpoint ``ckpt_id``'s record, durably, with now as its commit time; the
+    caller makes the checkpoint visible with that same time (``rec.committed_at``)."""
     when = utcnow()
     rec = record_from_catalog(
         catalog, ckpt_id, committed_at=when, metrics=metrics, tags=tags, entries=entries,
         stored_bytes_added=stored_bytes_added,
     )  # fmt: skip
     blobs.put(rec.key, rec.to_bytes())  # durable before the catalog's finish transaction
-    catalog.stamp_commit_time(ckpt_id, owner, when)
     return rec
 
 
