@@ -53,9 +53,10 @@ class CommitMixin(RunsMixin):
 
         A pending row whose owner is gone (a dead process on this host, a commit of this process
         that failed without cleaning up, or a lease not renewed in time) is taken over; a live
-        one raises :class:`CommitInProgressError`.
+        one raises :class:`CommitInProgressError`. When this fails, the owner is no longer live:
+        a pending row the failure left behind is taken over by the next commit of the step.
         """
-        mark_live(owner.nonce, True)  # until finish_checkpoint or abort_checkpoint
+        mark_live(owner.nonce, True)  # until finish_checkpoint, abort_checkpoint or a failure here
         for attempt in range(3):
             try:
                 with self._write() as conn:
@@ -99,9 +100,13 @@ class CommitMixin(RunsMixin):
                         )
                     )
                     return int(res.inserted_primary_key[0])  # type: ignore[index]
-            except sa_exc.IntegrityError:
-                if attempt == 2:
-                    raise
+            except BaseException as e:
+                if isinstance(e, sa_exc.IntegrityError) and attempt < 2:
+                    continue  # another commit of the step inserted its row meanwhile: look again
+                # nothing of ours is in flight: a row this failure left (its COMMIT got through,
+                # its answer was lost) belongs to a commit that failed, and is taken over
+                mark_live(owner.nonce, False)
+                raise
         raise AssertionError("unreachable")
 
     def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
