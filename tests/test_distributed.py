@@ -26,6 +26,7 @@ import ckstore
 from ckstore import WorldLayout
 from ckstore.commit.collective import failure_message
 from ckstore.commit.protocol import assign_writers, packs_needed
+from ckstore.errors import OUTCOME_UNKNOWN
 
 pytestmark = pytest.mark.distributed
 
@@ -255,6 +256,9 @@ def test_failure_message_names_every_failing_rank_once() -> None:
     )
     msg = failure_message(what, {3: "E: a", 0: "E: b", 1: "E: a"})
     assert msg == "commit of run 'exp', step 3 failed on ranks 0, 1, 3 (rank 0: E: b; ranks 1, 3: E: a); nothing was committed"
+    # rank 0 lost the catalog's answer to its COMMIT: the step may be committed, and no rank denies it
+    lost = f"CatalogError: step 3 of run 'exp' {OUTCOME_UNKNOWN}: catalog … failed while committing it"
+    assert failure_message(what, {0: lost}) == f"commit of run 'exp', step 3 failed on rank 0: {lost}"
 
 
 def test_pack_slots_bound_what_a_pack_writer_uses(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from sqlalchemy import Connection, delete, select, update
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
-from ..errors import AlreadyExistsError, CommitAbandonedError, CommitInProgressError
+from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from ._owner import Owner, mark_live
@@ -230,7 +230,13 @@ class CommitMixin(RunsMixin):
         stored_bytes_added: int,
         replace: bool,
     ) -> Checkpoint:
-        """Make the pending checkpoint visible, in one transaction."""
+        """Make the pending checkpoint visible, in one transaction.
+
+        A failure once every statement ran (the connection dropped at the COMMIT) raises a
+        :class:`CatalogError` saying the step may or may not have been committed: the server may
+        have committed it. Retrying the commit tells which: a step that did get through is
+        refused as existing already (:class:`AlreadyExistsError`)."""
+        done: Checkpoint | None = None  # the checkpoint, once only the COMMIT is left
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
@@ -282,7 +288,12 @@ class CommitMixin(RunsMixin):
                     update(PACKS).where(PACKS.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None)
                 )
                 crash_point("finish.transaction")
-                return load_records(conn, [ckpt_id]).one(ckpt_id)
+                done = load_records(conn, [ckpt_id]).one(ckpt_id)
+            return done
+        except CatalogError as e:
+            if done is None:
+                raise
+            raise self._lost_at_commit(e, f"step {done.step} of run {done.run!r}") from e
         finally:
             mark_live(owner.nonce, False)
 
