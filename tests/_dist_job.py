@@ -309,6 +309,28 @@ def scenario_replicated(store: ckstore.Store, rank: int, world: int, out: dict[s
     out["ok"] = True
 
 
+def scenario_lost_commit(store: ckstore.Store, rank: int, world: int, out: dict[str, Any]) -> None:
+    """Rank 0's catalog connection (through tests/pgproxy.py) drops at the COMMIT that makes step 1
+    visible, once the server committed it; then every rank retries the commit."""
+    from pgproxy import PgProxy
+
+    layout = WorldLayout({"dp": world})
+    states = {rank: replica_states(rank, world)}
+    committer = store
+    if rank == 0:  # only rank 0 talks to the catalog
+        proxy = PgProxy.in_front_of(store.catalog.url)
+        committer = ckstore.open(store.location, catalog=proxy.url(store.catalog.url), run="exp", create=False)
+        proxy.cut_commit("INSERT INTO entries", "after")
+    _expect_failure(out, "lost", lambda: committer.commit(1, states, world_layout=layout))
+    if rank == 0:
+        out["cut"] = proxy.cut is not None and proxy.cut.server_committed
+    _expect_failure(out, "retry", lambda: committer.commit(1, states, world_layout=layout))
+    if rank == 0:
+        committer.close()
+        proxy.close()
+    out["ok"] = True
+
+
 CRASH_LAYOUT = WorldLayout({"dp": 2})
 
 

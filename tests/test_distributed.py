@@ -242,6 +242,33 @@ def test_a_collective_commit_on_s3_and_postgres(
         assert bits(store.checkout(1, world_layout=WorldLayout.single())[0]["m"]["w"]) == bits(parts[0]["w"])
 
 
+@pytest.mark.postgres
+def test_a_collective_commit_whose_final_commit_answer_is_lost(pg_catalog_url: str, tmp_path: Path) -> None:
+    """Rank 0's connection to a PostgreSQL catalog drops at the COMMIT that makes step 1 visible,
+    after the server committed it (tests/pgproxy.py, in rank 0's process). Every rank fails saying
+    the step may or may not have been committed, none that nothing was; retrying fails on every
+    rank naming the step as committed already; the checkpoint is whole, bit-exact, and gc + fsck
+    find the store clean."""
+    from _dist_job import replica_states
+
+    path = tmp_path / "store"
+    ckstore.open(path, catalog=pg_catalog_url, chunk_size=64 * 1024, pack_size=1 << 20).close()
+    reports = run_job("lost_commit", 2, path, tmp_path)
+    assert reports[0]["cut"] is True  # the server answered the COMMIT; the proxy withheld the answer
+    for r in reports:
+        assert r["ok"] and "failed on rank 0: CatalogError: step 1 of run 'exp' may or may not have been committed" in r["lost"], r
+        assert "nothing was committed" not in r["lost"], r["lost"]
+        assert "failed on rank 0: AlreadyExistsError: run 'exp' already has a checkpoint at step 1" in r["retry"], r
+    with ckstore.open(path, run="exp") as store:
+        assert [c.step for c in store.checkpoints()] == [1] and store.catalog.pending() == []
+        got = store.checkout(1, world_layout=WorldLayout({"dp": 2}), ranks=[0, 1])
+        for r in range(2):
+            want = replica_states(r, 2)["m"]
+            assert bits(got[r]["m"]["w"]) == bits(want["w"]) and bits(got[r]["m"]["s"]) == bits(want["s"].tensor)
+        assert_consistent(store)
+        assert_clean(store)
+
+
 def test_a_failing_rank_fails_every_rank_and_commits_nothing(dstore: Path, tmp_path: Path) -> None:
     reports = run_job("fail", 4, dstore, tmp_path)
     for r in reports:
