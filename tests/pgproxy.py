@@ -102,9 +102,13 @@ class PgProxy:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            socks = [self._listener, *self._sockets]
-        for s in socks:
-            _shut(s)
+            socks = list(self._sockets)
+        _shut(self._listener)
+        for s in socks:  # wakes the connection's thread, which closes its sockets itself
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._thread.join(timeout=10)
 
     def __enter__(self) -> PgProxy:
