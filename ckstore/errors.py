@@ -26,7 +26,13 @@ __all__ = [
     "DistributedCommitError",
     "PolicyError",
     "ProtectedCheckpointError",
+    "OUTCOME_UNKNOWN",
 ]
+
+#: The words an error uses when a checkpoint may have become visible after all: the catalog's
+#: COMMIT was sent and its answer lost. A failed collective commit whose rank 0 reports them does
+#: not claim that nothing was committed.
+OUTCOME_UNKNOWN = "may or may not have been committed"
 
 
 class CkstoreError(Exception):

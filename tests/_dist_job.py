@@ -282,31 +282,52 @@ def scenario_lease(store: ckstore.Store, rank: int, world: int, out: dict[str, A
     out["ok"] = True
 
 
-DP4 = WorldLayout({"dp": 4})
-
-
-def replica_states(rank: int) -> dict[str, Any]:
-    """Rank ``rank`` of a data-parallel job of 4: a replicated 1 MiB tensor (16 chunks of 64 KiB),
-    then its quarter of a sharded one (2 chunks)."""
+def replica_states(rank: int, world: int = 4) -> dict[str, Any]:
+    """Rank ``rank`` of a data-parallel job of ``world`` ranks: a replicated 1 MiB tensor (16
+    chunks of 64 KiB), then its part of a sharded 512 KiB one (8 chunks in all)."""
     gen = torch.Generator().manual_seed(77)
     w = torch.randn(256 * 1024, generator=gen)
     s = torch.randn(4 * 32 * 1024, generator=gen)
-    return {"m": {"w": w, "s": Shard(torch.chunk(s, 4)[rank].clone(), mesh_dim="dp", dim=0)}}
+    return {"m": {"w": w, "s": Shard(torch.chunk(s, world)[rank].clone(), mesh_dim="dp", dim=0)}}
 
 
 def scenario_replicated(store: ckstore.Store, rank: int, world: int, out: dict[str, Any]) -> None:
-    """Commit and check out a replicated tensor; report the blob store's counters for each."""
+    """Commit and check out (as ``{dp: world}``) a replicated tensor; report the blob store's
+    counters for each."""
+    layout = WorldLayout({"dp": world})
     stats = store.blobs.stats
     before = stats.snapshot()
-    store.commit(1, {rank: replica_states(rank)}, world_layout=DP4)
+    store.commit(1, {rank: replica_states(rank, world)}, world_layout=layout)
     after = stats.snapshot()
     out["written"] = {k: after[k] - before[k] for k in ("writes", "bytes_written", "reads", "bytes_read")}
-    got = store.checkout(1, world_layout=DP4)
+    got = store.checkout(1, world_layout=layout)
     done = stats.snapshot()
     out["read"] = {k: done[k] - after[k] for k in ("reads", "bytes_read", "writes")}
-    want = replica_states(rank)["m"]
+    want = replica_states(rank, world)["m"]
     assert list(got) == [rank]
     assert bits(got[rank]["m"]["w"]) == bits(want["w"]) and bits(got[rank]["m"]["s"]) == bits(want["s"].tensor)
+    out["ok"] = True
+
+
+def scenario_lost_commit(store: ckstore.Store, rank: int, world: int, out: dict[str, Any]) -> None:
+    """Rank 0's catalog connection (through tests/pgproxy.py) drops at the COMMIT that makes step 1
+    visible, once the server committed it; then every rank retries the commit."""
+    from pgproxy import PgProxy
+
+    layout = WorldLayout({"dp": world})
+    states = {rank: replica_states(rank, world)}
+    committer = store
+    if rank == 0:  # only rank 0 talks to the catalog
+        proxy = PgProxy.in_front_of(store.catalog.url)
+        committer = ckstore.open(store.location, catalog=proxy.url(store.catalog.url), run="exp", create=False)
+        proxy.cut_commit("INSERT INTO entries", "after")
+    _expect_failure(out, "lost", lambda: committer.commit(1, states, world_layout=layout))
+    if rank == 0:
+        out["cut"] = proxy.cut is not None and proxy.cut.server_committed
+    _expect_failure(out, "retry", lambda: committer.commit(1, states, world_layout=layout))
+    if rank == 0:
+        committer.close()
+        proxy.close()
     out["ok"] = True
 
 

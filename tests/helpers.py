@@ -42,6 +42,16 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
     assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
 
 
+def assert_clean(store: Any) -> None:
+    """``gc(grace=0)`` then ``fsck(deep=True)`` find nothing wrong and nothing left over: no
+    damage, orphans, temp files, pending commits, trash or unreferenced chunks."""
+    store.gc(grace=0)
+    report = store.fsck(deep=True, grace=0)
+    assert report.ok, [d.describe() for d in report.damage]
+    assert report.orphans == () and report.temp_files == () and report.pending == (), report
+    assert report.trash == 0 and report.unreferenced_chunks == 0, report
+
+
 def small_model_state(seed: int = 0, width: int = 64) -> dict[str, Any]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(width, width * 2), torch.nn.GELU(), torch.nn.Linear(width * 2, 10))

@@ -20,12 +20,16 @@ from typing import Any
 import pytest
 import torch
 from _dist_job import DT_NAMES, SAVED, check_step1, dt_splits, global_tensors
-from helpers import bits, expected_piece
+from conformance import assert_consistent
+from faultproxy import FaultProxy
+from helpers import assert_clean, bits, expected_piece
+from services import S3Server
 
 import ckstore
 from ckstore import WorldLayout
 from ckstore.commit.collective import failure_message
 from ckstore.commit.protocol import assign_writers, packs_needed
+from ckstore.errors import OUTCOME_UNKNOWN
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +44,7 @@ def _free_port() -> int:
 
 
 def run_job(
-    scenario: str, world: int, store: Path, tmp: Path, timeout: float = 90, *,
+    scenario: str, world: int, store: Path | str, tmp: Path, timeout: float = 90, *,
     env: dict[str, str] | None = None, dies: int | None = None, job: Path = JOB,
 ) -> list[dict[str, Any]]:
     """Run one job of ``world`` ranks of script ``job`` (each with its ``RANK`` and ``env`` in its
@@ -168,6 +172,103 @@ def test_a_replicated_tensor_is_written_once_and_each_rank_reads_only_its_chunks
         assert report["read"]["reads"] <= len(need)
 
 
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_a_collective_commit_on_s3_and_postgres(
+    s3_server: S3Server, fault_proxy: FaultProxy, pg_catalog_url: str, tmp_path: Path
+) -> None:
+    """A 2-rank gloo commit into a store whose blobs are on an S3 server and whose catalog is
+    PostgreSQL. Counted at the server (the ranks reach it through tests/faultproxy.py): the PUTs it
+    received are exactly the objects the commit left, one each, and those hold every chunk frame
+    once, the replicated tensor's included, though both ranks wrote. Each rank checks out its own
+    part bit-exact in the saved layout, reading only its chunks; one process consolidates both
+    ranks bit-exact; gc + fsck find the store clean."""
+    from _dist_job import replica_states
+
+    from ckstore.format.pack import PACK_PREFIX, read_index
+
+    bucket = s3_server.make_bucket()
+    location = f"s3://{bucket}/store"
+    opts = s3_server.storage_options()
+    ckstore.open(location, catalog=pg_catalog_url, storage_options=opts, chunk_size=64 * 1024, pack_size=1 << 20).close()
+    client = s3_server.client()
+
+    def objects() -> dict[str, int]:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix="store/")
+        assert not listed["IsTruncated"]
+        return {o["Key"]: o["Size"] for o in listed.get("Contents", [])}
+
+    before = objects()
+    requests = len(fault_proxy.requests)
+    env = {**s3_server.env(), "AWS_ENDPOINT_URL": fault_proxy.endpoint}  # the job finds the store alone
+    reports = run_job("replicated", 2, location, tmp_path, env=env)
+    assert all(r["ok"] for r in reports)
+    new = {k: n for k, n in objects().items() if k not in before}
+    writes = [r for r in fault_proxy.requests[requests:] if r.method in ("PUT", "POST")]
+    assert {(r.op, r.status) for r in writes} == {("PutObject", 200)}, writes  # single PUTs, all answered
+    assert sorted(r.key for r in writes) == sorted(new)  # each new object PUT once, nothing else
+    assert sum(r["written"]["writes"] for r in reports) == len(new)
+    assert sum(r["written"]["bytes_written"] for r in reports) == sum(new.values())
+    assert all(r["written"]["bytes_written"] for r in reports)  # both ranks wrote their share
+    packs = [k for k in new if k.startswith(f"store/{PACK_PREFIX}")]
+    lengths = [
+        (d, length)
+        for k in packs
+        for d, _, length, _ in read_index(client.get_object(Bucket=bucket, Key=k)["Body"].read())
+    ]
+    frame = dict(lengths)
+    assert len(frame) == len(lengths), "a chunk frame was written twice"
+
+    with ckstore.open(location, storage_options=opts, run="exp") as store:
+        ck = store.resolve(1)
+        assert ck.world_layout == WorldLayout({"dp": 2}) and ck.ranks == (0, 1)
+        chunks = {r: {t.path: t.chunks for t in store.manifests(ck, ranks=[r])[(r, "m")].tensors} for r in range(2)}
+        w = chunks[0]["w"]
+        assert len(w) == 16 and chunks[1]["w"] == w
+        shards = chunks[0]["s"] + chunks[1]["s"]
+        assert set(frame) == set(w) | set(shards) and len(shards) == 8  # each stored once, nothing else
+        for r, report in enumerate(reports):  # the collective checkout read each rank's chunks only
+            need = set(w) | set(chunks[r]["s"])
+            assert report["read"]["writes"] == 0
+            assert report["read"]["bytes_read"] == sum(frame[d] for d in need) < sum(frame.values()), report
+        parts = [replica_states(r, 2)["m"] for r in range(2)]
+        full = store.checkout(1, world_layout=WorldLayout.single())
+        assert list(full) == [0]
+        assert bits(full[0]["m"]["w"]) == bits(parts[0]["w"])
+        assert bits(full[0]["m"]["s"]) == bits(torch.cat([p["s"].tensor for p in parts]))
+        assert store.catalog.pending() == []
+        assert_consistent(store)
+        assert_clean(store)
+        assert bits(store.checkout(1, world_layout=WorldLayout.single())[0]["m"]["w"]) == bits(parts[0]["w"])
+
+
+@pytest.mark.postgres
+def test_a_collective_commit_whose_final_commit_answer_is_lost(pg_catalog_url: str, tmp_path: Path) -> None:
+    """Rank 0's connection to a PostgreSQL catalog drops at the COMMIT that makes step 1 visible,
+    after the server committed it (tests/pgproxy.py, in rank 0's process). Every rank fails saying
+    the step may or may not have been committed, none that nothing was; retrying fails on every
+    rank naming the step as committed already; the checkpoint is whole, bit-exact, and gc + fsck
+    find the store clean."""
+    from _dist_job import replica_states
+
+    path = tmp_path / "store"
+    ckstore.open(path, catalog=pg_catalog_url, chunk_size=64 * 1024, pack_size=1 << 20).close()
+    reports = run_job("lost_commit", 2, path, tmp_path)
+    assert reports[0]["cut"] is True  # the server answered the COMMIT; the proxy withheld the answer
+    for r in reports:
+        assert r["ok"] and "failed on rank 0: CatalogError: step 1 of run 'exp' may or may not have been committed" in r["lost"], r
+        assert "nothing was committed" not in r["lost"], r["lost"]
+        assert "failed on rank 0: AlreadyExistsError: run 'exp' already has a checkpoint at step 1" in r["retry"], r
+    with ckstore.open(path, run="exp") as store:
+        assert [c.step for c in store.checkpoints()] == [1] and store.catalog.pending() == []
+        got = store.checkout(1, world_layout=WorldLayout({"dp": 2}), ranks=[0, 1])
+        for r in range(2):
+            want = replica_states(r, 2)["m"]
+            assert bits(got[r]["m"]["w"]) == bits(want["w"]) and bits(got[r]["m"]["s"]) == bits(want["s"].tensor)
+        assert_consistent(store)
+        assert_clean(store)
+
+
 def test_a_failing_rank_fails_every_rank_and_commits_nothing(dstore: Path, tmp_path: Path) -> None:
     reports = run_job("fail", 4, dstore, tmp_path)
     for r in reports:
@@ -255,6 +356,9 @@ def test_failure_message_names_every_failing_rank_once() -> None:
     )
     msg = failure_message(what, {3: "E: a", 0: "E: b", 1: "E: a"})
     assert msg == "commit of run 'exp', step 3 failed on ranks 0, 1, 3 (rank 0: E: b; ranks 1, 3: E: a); nothing was committed"
+    # rank 0 lost the catalog's answer to its COMMIT: the step may be committed, and no rank denies it
+    lost = f"CatalogError: step 3 of run 'exp' {OUTCOME_UNKNOWN}: catalog … failed while committing it"
+    assert failure_message(what, {0: lost}) == f"commit of run 'exp', step 3 failed on rank 0: {lost}"
 
 
 def test_pack_slots_bound_what_a_pack_writer_uses(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_clean, assert_same
 
 import ckstore
 from ckstore._crash import POINTS
@@ -54,15 +54,6 @@ def states(step: int) -> dict[int, dict[str, Any]]:
 
 def _marker(point: str) -> str:
     return f"ckstore crash point: {point}"
-
-
-def _check_clean(store: ckstore.Store) -> None:
-    """``gc(grace=0)`` then ``fsck(deep=True)`` find nothing wrong and nothing left over."""
-    store.gc(grace=0)
-    report = store.fsck(deep=True, grace=0)
-    assert report.ok, [d.describe() for d in report.damage]
-    assert report.orphans == () and report.temp_files == () and report.pending == (), report
-    assert report.trash == 0 and report.unreferenced_chunks == 0, report
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +101,7 @@ def test_a_commit_killed_at_each_point_damages_nothing(base_store: Path, tmp_pat
         # the next commit of the step takes the dead one's pending checkpoint over
         ck = store.commit(STEP_NEW, states(STEP_NEW))
         assert ck.step == STEP_NEW and store.catalog.pending() == []
-        _check_clean(store)
+        assert_clean(store)
         for step in (1, 2, STEP_NEW):
             assert_same(store.checkout(step), states(step))
 
@@ -166,7 +157,7 @@ def test_a_collective_commit_killed_on_one_rank_damages_nothing(tmp_path: Path, 
         if not visible:  # the next commit of the step takes over
             store.commit(2, new, world_layout=CRASH_LAYOUT)
             assert store.catalog.pending() == []
-        _check_clean(store)
+        assert_clean(store)
         assert_same(store.checkout(1, world_layout=CRASH_LAYOUT), both)
         assert_same(store.checkout(2, world_layout=CRASH_LAYOUT), new)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 from conformance import assert_consistent, sample_states
 from conformance.store import CHUNK, PACK
-from helpers import assert_same
+from helpers import assert_clean, assert_same
+from pgproxy import PgProxy
 from services import PrivatePostgres
 
 import ckstore
@@ -200,3 +202,109 @@ def test_server_restarted_between_requests_is_transparent(tmp_path: Path, privat
     assert_same(store.checkout(2), sample_states(2))
     assert_consistent(store)
     store.close()
+
+
+# -- a connection lost at a transaction's COMMIT --------------------------------------------------
+# tests/pgproxy.py sits between the store and the server and cuts the connection that sends the
+# COMMIT of one chosen transaction (named by a statement only it runs): before forwarding it (the
+# server rolls the transaction back) or once the server has answered it (committed; the answer is
+# withheld). Pooled connections stay up; the store opens new ones through the proxy afterwards.
+PG_SECRET = "pg-secret-never-printed"
+
+
+def _proxied(tmp_path: Path, pg_catalog_url: str, monkeypatch: pytest.MonkeyPatch) -> tuple[PgProxy, str]:
+    """A store holding step 1 (made directly) and a proxy in front of its server; returns the
+    proxy and the store's direct catalog URL (with a password, given as an environment reference)."""
+    monkeypatch.setenv("CKSTORE_TEST_PGPASSWORD", PG_SECRET)
+    direct = pg_catalog_url.replace("postgres@", "postgres:${CKSTORE_TEST_PGPASSWORD}@")
+    with _open(tmp_path / "store", direct) as store:
+        store.commit(1, sample_states(1))
+    return PgProxy.in_front_of(pg_catalog_url), direct
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_connection_lost_at_the_commit_that_makes_a_checkpoint_visible(
+    tmp_path: Path, pg_catalog_url: str, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """The connection drops at the COMMIT of the transaction that makes step 2 visible; the commit
+    fails with a `CatalogError` naming the catalog, never its password, and saying the step may or
+    may not have been committed. Cut after the server committed: step 2 is visible, and retrying
+    the commit reports the step as committed already, changing nothing. Cut before: nothing of step 2 is visible and the
+    retry commits it. Either way step 2 reads back bit-exact and gc + fsck find the store clean."""
+    proxy, direct = _proxied(tmp_path, pg_catalog_url, monkeypatch)
+    with proxy, _open(tmp_path / "store", proxy.url(direct)) as store, _open(tmp_path / "store", direct) as view:
+        proxy.cut_commit("INSERT INTO entries", when)
+        with pytest.raises(ckstore.CatalogError) as failed:
+            store.commit(2, sample_states(2), {"loss": 0.5}, tags=["two"])
+        # the cut landed on that transaction's COMMIT; the server answered it only when it got it
+        cut = proxy.cut
+        assert cut is not None and cut.when == when, cut
+        assert any(s.startswith("INSERT INTO entries") for s in cut.statements), cut.statements
+        assert any(s.startswith("UPDATE checkpoints SET status=") for s in cut.statements), cut.statements
+        assert cut.forwarded is (when == "after") and cut.server_committed is (when == "after"), cut
+        # the client cannot tell the two cuts apart, and says so; the retry tells
+        message = str(failed.value)
+        assert message.startswith("step 2 of run 'exp' may or may not have been committed: "), message
+        assert f"catalog postgresql+psycopg://postgres:***@127.0.0.1:{proxy.port}/" in message, message
+        assert "Retry once the catalog is reachable" in message, message
+        assert PG_SECRET not in "".join(traceback.format_exception(failed.value))
+        assert view.catalog.pending() == []  # the failed commit cleaned up after itself
+        # what the server holds, read through a connection of its own
+        if when == "after":
+            visible = view.resolve(2)
+            assert (visible.metrics, visible.tags) == ({"loss": 0.5}, ("two",))
+            commits = proxy.commits
+            with pytest.raises(ckstore.AlreadyExistsError, match="run 'exp' already has a checkpoint at step 2"):
+                store.commit(2, sample_states(2), {"loss": 0.5}, tags=["two"])  # the retry
+            assert proxy.commits > commits  # it asked the server, on a new connection
+            assert view.resolve(2).id == visible.id  # and changed nothing
+        else:
+            assert [c.step for c in view.checkpoints()] == [1]
+            with pytest.raises(ckstore.CheckpointNotFoundError):
+                view.resolve("two")
+            assert store.commit(2, sample_states(2), {"loss": 0.5}, tags=["two"]).step == 2  # the retry
+            assert view.resolve("two").metrics == {"loss": 0.5}
+        assert [c.step for c in view.checkpoints()] == [1, 2]
+        assert_same(store.checkout(2), sample_states(2))
+        assert_same(view.checkout("two"), sample_states(2))
+        assert_same(view.checkout(1), sample_states(1))
+        assert_consistent(view)
+        assert_clean(view)
+
+
+#: the other transactions of a commit, each named by a statement only it runs
+COMMIT_TRANSACTIONS = {
+    "pending row": "INSERT INTO checkpoints",  # opens the pending checkpoint
+    "claim": "SELECT chunks.id, chunks.digest ",  # references the chunks the catalog has
+    "pack row": "INSERT INTO packs",  # records a pack before its object is written
+    "chunk rows": "INSERT INTO chunks",  # records a written pack's chunks
+}
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+@pytest.mark.parametrize("transaction", list(COMMIT_TRANSACTIONS))
+def test_connection_lost_at_the_commit_of_an_earlier_transaction(
+    tmp_path: Path, pg_catalog_url: str, monkeypatch: pytest.MonkeyPatch, transaction: str, when: str
+) -> None:
+    """The connection drops at the COMMIT of one of a commit's earlier transactions: the commit
+    fails with a `CatalogError` and nothing of it is visible. Only an opened pending row whose
+    answer was lost is left (the commit cannot know it has one); retrying the commit takes it
+    over and commits the step, bit-exact, and gc + fsck find the store clean."""
+    proxy, direct = _proxied(tmp_path, pg_catalog_url, monkeypatch)
+    marker = COMMIT_TRANSACTIONS[transaction]
+    with proxy, _open(tmp_path / "store", proxy.url(direct)) as store, _open(tmp_path / "store", direct) as view:
+        proxy.cut_commit(marker, when)
+        with pytest.raises(ckstore.CatalogError, match="Retry once the catalog is reachable"):
+            store.commit(2, sample_states(2))
+        cut = proxy.cut
+        assert cut is not None and any(s.startswith(marker) for s in cut.statements), cut
+        assert cut.server_committed is (when == "after"), cut
+        assert [c.step for c in view.checkpoints()] == [1]
+        left = (transaction, when) == ("pending row", "after")
+        assert [p.step for p in view.catalog.pending()] == ([2] if left else [])
+        assert store.commit(2, sample_states(2)).step == 2  # the retry
+        assert view.catalog.pending() == []
+        assert_same(store.checkout(2), sample_states(2))
+        assert_same(view.checkout(1), sample_states(1))
+        assert_consistent(view)
+        assert_clean(view)

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy import exc as sa_exc
 
-from ..errors import CatalogError
+from ..errors import OUTCOME_UNKNOWN, CatalogError
 from ._engine import check_schema, head_revision, make_engine, redact, upgrade_schema, write_txn
 
 __all__ = ["CatalogBase"]
@@ -60,6 +60,17 @@ class CatalogBase:
                 "was rolled back, unless the connection dropped while it was committing. Retry once "
                 "the catalog is reachable (a commit that did get through reports its step as taken)"
             ) from e
+
+    def _lost_at_commit(self, e: CatalogError, what: str) -> CatalogError:
+        """The error for a :meth:`_write` that ran every statement of its transaction and then
+        failed (``e``): the COMMIT was sent, so the server may have committed ``what``."""
+        cause = e.__cause__
+        reason = _reason(cause) if isinstance(cause, sa_exc.DBAPIError) else str(e)
+        return CatalogError(
+            f"{what} {OUTCOME_UNKNOWN}: catalog {redact(self.url)} failed while committing it "
+            f"({reason}). Retry once the catalog is reachable: if it did get through, the retry "
+            "reports it as committed already; if not, the retry commits it"
+        )
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:

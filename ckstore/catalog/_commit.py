@@ -14,7 +14,7 @@ from sqlalchemy import Connection, delete, func, literal, select, update
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
-from ..errors import AlreadyExistsError, CommitAbandonedError, CommitInProgressError
+from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from ._owner import Owner, mark_live
@@ -54,9 +54,10 @@ class CommitMixin(RunsMixin):
 
         A pending row whose owner is gone (a dead process on this host, a commit of this process
         that failed without cleaning up, or a lease not renewed in time) is taken over; a live
-        one raises :class:`CommitInProgressError`.
+        one raises :class:`CommitInProgressError`. When this fails, the owner is no longer live:
+        a pending row the failure left behind is taken over by the next commit of the step.
         """
-        mark_live(owner.nonce, True)  # until finish_checkpoint or abort_checkpoint
+        mark_live(owner.nonce, True)  # until finish_checkpoint, abort_checkpoint or a failure here
         for attempt in range(3):
             try:
                 with self._write() as conn:
@@ -100,9 +101,13 @@ class CommitMixin(RunsMixin):
                         )
                     )
                     return int(res.inserted_primary_key[0])  # type: ignore[index]
-            except sa_exc.IntegrityError:
-                if attempt == 2:
-                    raise
+            except BaseException as e:
+                if isinstance(e, sa_exc.IntegrityError) and attempt < 2:
+                    continue  # another commit of the step inserted its row meanwhile: look again
+                # nothing of ours is in flight: a row this failure left (its COMMIT got through,
+                # its answer was lost) belongs to a commit that failed, and is taken over
+                mark_live(owner.nonce, False)
+                raise
         raise AssertionError("unreachable")
 
     def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
@@ -236,7 +241,13 @@ class CommitMixin(RunsMixin):
         committed_at: datetime | None = None,
     ) -> Checkpoint:
         """Make the pending checkpoint visible, in one transaction; ``committed_at``: the commit
-        time its blob-store record holds (now, when it has none)."""
+        time its blob-store record holds (now, when it has none).
+
+        A failure once every statement ran (the connection dropped at the COMMIT) raises a
+        :class:`CatalogError` saying the step may or may not have been committed: the server may
+        have committed it. Retrying the commit tells which: a step that did get through is
+        refused as existing already (:class:`AlreadyExistsError`)."""
+        done: Checkpoint | None = None  # the checkpoint, once only the COMMIT is left
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
@@ -286,7 +297,12 @@ class CommitMixin(RunsMixin):
                     update(PACKS).where(PACKS.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None)
                 )
                 crash_point("finish.transaction")
-                return load_records(conn, [ckpt_id]).one(ckpt_id)
+                done = load_records(conn, [ckpt_id]).one(ckpt_id)
+            return done
+        except CatalogError as e:
+            if done is None:
+                raise
+            raise self._lost_at_commit(e, f"step {done.step} of run {done.run!r}") from e
         finally:
             mark_live(owner.nonce, False)
 

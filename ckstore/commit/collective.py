@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from ..errors import DistributedCommitError, LayoutError
+from ..errors import OUTCOME_UNKNOWN, DistributedCommitError, LayoutError
 from ..layout import WorldLayout
 
 __all__ = [
@@ -230,7 +230,9 @@ class DistGroup(Group):
 
 
 def failure_message(what: str, failures: Mapping[int, str]) -> str:
-    """``what`` failed on these ranks, with their errors (ranks failing alike are named once)."""
+    """``what`` failed on these ranks, with their errors (ranks failing alike are named once),
+    and nothing was committed, unless an error says the checkpoint may have been committed
+    (rank 0 lost the catalog's answer to its COMMIT)."""
     by_error: dict[str, list[int]] = {}
     for r in sorted(failures):
         by_error.setdefault(failures[r], []).append(r)
@@ -240,6 +242,8 @@ def failure_message(what: str, failures: Mapping[int, str]) -> str:
     else:
         each = "; ".join(f"{_ranks(rs)}: {e}" for e, rs in by_error.items())
         detail = f"{_ranks(sorted(failures))} ({each})"
+    if any(OUTCOME_UNKNOWN in error for error in failures.values()):
+        return f"{what} failed on {detail}"
     return f"{what} failed on {detail}; nothing was committed"
 
 
