@@ -81,7 +81,9 @@ def run_method(
     return {"name": name, "save": ms, "load": ml, "bytes": size, "raw": raw}
 
 
-def bench_workload(label: str, sd: dict[str, torch.Tensor], root: str, chunk_sizes: list[int], cold: bool) -> list[dict[str, Any]]:
+def bench_workload(
+    label: str, sd: dict[str, torch.Tensor], root: str, chunk_sizes: list[int], cold: bool
+) -> list[dict[str, Any]]:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
 
@@ -94,7 +96,16 @@ def bench_workload(label: str, sd: dict[str, torch.Tensor], root: str, chunk_siz
         torch.save(sd, p)
         fsync_path(p)
 
-    results.append(run_method("torch.save / torch.load", ts_save, lambda: torch.load(p, weights_only=True), p, raw, cold))
+    results.append(
+        run_method(
+            "torch.save / torch.load",
+            ts_save,
+            lambda: torch.load(p, weights_only=True),
+            p,
+            raw,
+            cold,
+        )
+    )
     fresh(p)
 
     p2 = fresh(os.path.join(root, "model.safetensors"))
@@ -127,14 +138,23 @@ def bench_workload(label: str, sd: dict[str, torch.Tensor], root: str, chunk_siz
         def ck_save() -> None:
             out["ck"] = store.commit(1, {0: {"model_states": sd}})
 
-        r = run_method(f"ckstore commit / checkout ({cs} MiB chunks)", ck_save, lambda: store.checkout(1), p4, raw, cold)
+        r = run_method(
+            f"ckstore commit / checkout ({cs} MiB chunks)",
+            ck_save,
+            lambda: store.checkout(1),
+            p4,
+            raw,
+            cold,
+        )
         # a second commit where 10% of the tensors (every tenth, by size order) changed
         keys = list(sd)
         changed = dict(sd)
         g = torch.Generator().manual_seed(1)
         for k in sorted(keys, key=lambda k: -sd[k].numel())[::10]:
             changed[k] = sd[k] + (torch.randn(sd[k].shape, generator=g) * 1e-3).to(sd[k].dtype)
-        changed_bytes = sum(changed[k].numel() * changed[k].element_size() for k in keys if changed[k] is not sd[k])
+        changed_bytes = sum(
+            changed[k].numel() * changed[k].element_size() for k in keys if changed[k] is not sd[k]
+        )
         gc.collect()
         with measure() as m2:
             ck2 = store.commit(2, {0: {"model_states": changed}})
@@ -174,11 +194,23 @@ def report(results: list[dict[str, Any]], cold: bool) -> str:
                     mib(ld.peak_extra),
                 ]
             )
-        lines.append(f"\n### {label}: {mib(raw)} MiB raw ({'cold' if cold else 'warm'} page cache on load)\n")
+        lines.append(
+            f"\n### {label}: {mib(raw)} MiB raw ({'cold' if cold else 'warm'} page cache on load)\n"
+        )
         lines.append(
             table(
-                ["method", "save s", "save GiB/s", "vs torch.save", "load s", "vs torch.load", "stored MiB", "stored/raw",
-                 "save peak +MiB", "load peak +MiB"],
+                [
+                    "method",
+                    "save s",
+                    "save GiB/s",
+                    "vs torch.save",
+                    "load s",
+                    "vs torch.load",
+                    "stored MiB",
+                    "stored/raw",
+                    "save peak +MiB",
+                    "load peak +MiB",
+                ],
                 rows,
             )
         )
@@ -193,10 +225,16 @@ def report(results: list[dict[str, Any]], cold: bool) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=1024, help="size of the synthetic fp32 state")
-    ap.add_argument("--chunk-sizes", default="4", help="ckstore chunk sizes in MiB, comma-separated")
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp folder on the working disk)")
+    ap.add_argument(
+        "--chunk-sizes", default="4", help="ckstore chunk sizes in MiB, comma-separated"
+    )
+    ap.add_argument(
+        "--dir", default=None, help="where to write (default: a temp folder on the working disk)"
+    )
     ap.add_argument("--skip-minilm", action="store_true")
     ap.add_argument("--out", default=None, help="also write the report to this file")
     args = ap.parse_args()

@@ -214,7 +214,9 @@ WORKLOADS: dict[str, tuple[str, Callable[[], Any]]] = {
 }
 
 
-def profile(key: str, root: str, t: StageTimer, cold: bool) -> tuple[str, int, int, dict[str, float], dict[str, float]]:
+def profile(
+    key: str, root: str, t: StageTimer, cold: bool
+) -> tuple[str, int, int, dict[str, float], dict[str, float]]:
     label, make = WORKLOADS[key]
     state = make()
     n, raw = count(state)
@@ -233,7 +235,9 @@ def profile(key: str, root: str, t: StageTimer, cold: bool) -> tuple[str, int, i
     return label, n, raw, c, r
 
 
-def render(label: str, n: int, raw: int, res: dict[str, float], stages: list[str], what: str) -> str:
+def render(
+    label: str, n: int, raw: int, res: dict[str, float], stages: list[str], what: str
+) -> str:
     wall = res["wall"]
     rows = []
     for s in [*stages, "calling thread, unattributed"]:
@@ -248,15 +252,27 @@ def summary(results: list[tuple[str, dict[str, float]]], stages: list[str], what
     """One table for every workload: seconds and share of wall per stage."""
     rows = []
     for st in [*stages, "calling thread, unattributed"]:
-        rows.append([st, *(f"{r.get(st, 0.0):.3f} ({100 * r.get(st, 0.0) / r['wall']:.0f}%)" for _, r in results)])
+        rows.append(
+            [
+                st,
+                *(
+                    f"{r.get(st, 0.0):.3f} ({100 * r.get(st, 0.0) / r['wall']:.0f}%)"
+                    for _, r in results
+                ),
+            ]
+        )
     rows.append(["wall", *(f"{r['wall']:.3f}" for _, r in results)])
     return f"{what}, s (% of wall)\n\n" + table(["stage", *(label for label, _ in results)], rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--only", help="comma-separated workloads: " + ",".join(WORKLOADS))
-    ap.add_argument("--cold", action="store_true", help="drop the page cache before each checkout (root)")
+    ap.add_argument(
+        "--cold", action="store_true", help="drop the page cache before each checkout (root)"
+    )
     ap.add_argument("--dir", help="where the stores go (default: a temporary folder)")
     args = ap.parse_args()
     keys = args.only.split(",") if args.only else list(WORKLOADS)
@@ -274,13 +290,28 @@ def main() -> None:
         r["digest verify"] = r.pop("hashing", 0.0)
         print(render(label, n, raw, c, COMMIT_STAGES, "commit"))
         print()
-        print(render(label, n, raw, r, CHECKOUT_STAGES, "checkout" + (" (cold cache)" if args.cold else " (warm cache)")))
+        print(
+            render(
+                label,
+                n,
+                raw,
+                r,
+                CHECKOUT_STAGES,
+                "checkout" + (" (cold cache)" if args.cold else " (warm cache)"),
+            )
+        )
         print(flush=True)
         commits.append((label, c))
         checkouts.append((label, r))
     print(summary(commits, COMMIT_STAGES, "commit"))
     print()
-    print(summary(checkouts, CHECKOUT_STAGES, "checkout" + (" (cold cache)" if args.cold else " (warm cache)")))
+    print(
+        summary(
+            checkouts,
+            CHECKOUT_STAGES,
+            "checkout" + (" (cold cache)" if args.cold else " (warm cache)"),
+        )
+    )
     print()
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     t.undo()
