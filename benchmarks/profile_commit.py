@@ -30,11 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import minilm_state, synthetic_state  # noqa: E402
-from common import drop_caches, table  # noqa: E402
+from common import (  # noqa: E402
+    adam_state,
+    drop_caches,
+    minilm_state,
+    synthetic_state,
+    table,
+    tiny_state,
+)
 
 import ckstore  # noqa: E402
 from ckstore.blobstore import _local  # noqa: E402
@@ -164,28 +169,6 @@ def phase(t: StageTimer) -> Iterator[dict[str, float]]:
 def randn_state(mib: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(mib * 2**18, generator=g)}
-
-
-def tiny_state(n: int = 20_000) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {f"t{i}": torch.randn(4, generator=g) for i in range(n)}
-
-
-def adam_state(blocks: int = 600, width: int = 64) -> dict[str, Any]:
-    """A real Adam optimizer state: a deep MLP of ``4 * blocks`` parameter tensors, after two
-    steps with real gradients: exp_avg, exp_avg_sq and step for every parameter."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, width), nn.LayerNorm(width)]
-    model = nn.Sequential(*layers)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = torch.randn(32, width), torch.randn(32, width)
-    for _ in range(2):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
-        opt.step()
-    return opt.state_dict()
 
 
 def count(state: Any) -> tuple[int, int]:
