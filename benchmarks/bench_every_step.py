@@ -129,8 +129,11 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, rnd: int) -> dict[
     gc_runs, largest = 0, 0
     gc.collect()
     t0 = time.perf_counter()
+    step_times: list[float] = []
     for _ in range(args.steps):
+        t = time.perf_counter()
         loss = trainer.train_step()
+        step_times.append(time.perf_counter() - t)
         if store is None:
             continue
         t = time.perf_counter()
@@ -162,6 +165,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, rnd: int) -> dict[
     r = {
         "total": total,
         "train": total - blocked - gc_s - final_wait,  # the training steps alone
+        "step_ms": 1000 * statistics.median(step_times),
         "blocked": blocked,
         "gc": gc_s,
         "gc_runs": gc_runs,
@@ -212,6 +216,7 @@ def report(
                 f"{args.steps / r['total']:.2f}",
                 slow,
                 f"{r['train']:.2f}",
+                f"{r['step_ms']:.1f}",
                 f"{r['blocked']:.2f} ({1000 * r['blocked'] / args.steps:.1f} ms/step)"
                 if ck
                 else "-",
@@ -231,6 +236,7 @@ def report(
         "steps/s",
         "vs no checkpointing",
         "in training steps s",
+        "median step ms",
         "blocked in commit calls s",
         f"gc s ({args.gc_in})",
         "final wait s",
@@ -253,7 +259,9 @@ def report(
            "in a background thread with its own store handle")
         + "; total = the steps, the commit calls, gc and the wait for commits still in flight at "
         "the end; 'in training steps' is the total less the rest: when it grows over no "
-        "checkpointing's, the commits' background threads slowed the steps down (CPU contention). 'one checkpoint MiB' is the logical size of one checkpoint (its tensors' bytes); "
+        "checkpointing's, the commits' background threads slowed the steps down (CPU contention); "
+        "'median step ms' is the median training step alone, the figure least moved by other "
+        "work on the machine. 'one checkpoint MiB' is the logical size of one checkpoint (its tensors' bytes); "
         "'store MiB at end' is every file of the store after a last gc once every commit landed "
         "(packs, checkpoint records, the SQLite catalog); 'stored MiB per step' is the chunk bytes "
         "each commit added (compressed, after dedup).",
