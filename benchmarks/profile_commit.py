@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -298,6 +299,7 @@ def main() -> None:
     print()
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     t.undo()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
