@@ -97,7 +97,9 @@ def one_round(base: Path, size_mib: int, n: int, seed: int, order: int) -> dict[
         s.close()
 
     def dcp_async() -> None:
-        block, fut = timed(lambda: dcp.async_save(state, storage_writer=FileSystemWriter(str(base / "dcp_async"))))
+        block, fut = timed(
+            lambda: dcp.async_save(state, storage_writer=FileSystemWriter(str(base / "dcp_async")))
+        )
         r["dcp_async_block"] = block
         r["dcp_async_total"] = block + timed(fut.result)[0]
 
@@ -105,7 +107,9 @@ def one_round(base: Path, size_mib: int, n: int, seed: int, order: int) -> dict[
         r["clone"] = timed(lambda: [t.clone() for t in tensors])[0]
 
     def dcp_save_fs() -> None:
-        r["dcp_fs_save"] = timed(lambda: dcp.save(state, storage_writer=FileSystemWriter(str(base / "fs1"))))[0]
+        r["dcp_fs_save"] = timed(
+            lambda: dcp.save(state, storage_writer=FileSystemWriter(str(base / "fs1")))
+        )[0]
         r["dcp_fs_bytes"] = du(str(base / "fs1"))
 
     def dcp_save_writer() -> None:
@@ -136,7 +140,9 @@ def one_round(base: Path, size_mib: int, n: int, seed: int, order: int) -> dict[
 
     def load_fs() -> None:
         target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
-        r["dcp_fs_load"] = timed(lambda: dcp.load(target, storage_reader=FileSystemReader(str(base / "fs2"))))[0]
+        r["dcp_fs_load"] = timed(
+            lambda: dcp.load(target, storage_reader=FileSystemReader(str(base / "fs2")))
+        )[0]
         assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
 
     def checkout() -> None:
@@ -149,7 +155,9 @@ def one_round(base: Path, size_mib: int, n: int, seed: int, order: int) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)

@@ -58,7 +58,9 @@ def moto_server(log_dir: Path) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with open(log_dir / "moto.log", "wb") as log:
-        proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+        )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -101,7 +103,12 @@ def make_bucket(endpoint: str) -> str:
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:
-    return {"endpoint_url": endpoint, "key": "bench", "secret": "bench", "client_kwargs": {"region_name": REGION}}
+    return {
+        "endpoint_url": endpoint,
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"region_name": REGION},
+    }
 
 
 # -- part 1: blob stores ----------------------------------------------------------------------------
@@ -131,8 +138,12 @@ def perturb(states: dict[int, dict[str, Any]], fraction_layers: int) -> dict[int
     for r, subs in states.items():
         out[r] = {k: dict(v) for k, v in subs.items()}
         for i in range(fraction_layers):
-            out[r]["model_states"][f"layer{i}.weight"] = subs["model_states"][f"layer{i}.weight"] + 1
-            out[r]["optim_states"][f"layer{i}.exp_avg"] = subs["optim_states"][f"layer{i}.exp_avg"] * 0.9
+            out[r]["model_states"][f"layer{i}.weight"] = (
+                subs["model_states"][f"layer{i}.weight"] + 1
+            )
+            out[r]["optim_states"][f"layer{i}.exp_avg"] = (
+                subs["optim_states"][f"layer{i}.exp_avg"] * 0.9
+            )
     return out
 
 
@@ -162,15 +173,29 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def bench_blobstores(mib: int, tmp: Path, endpoint: str, pg_url: str) -> list[dict[str, Any]]:
     base = model_state(mib, 0)
     nxt = perturb(base, 2)
-    logical = sum(t.numel() * t.element_size() for r in base.values() for s in r.values() for t in s.values())
+    logical = sum(
+        t.numel() * t.element_size() for r in base.values() for s in r.values() for t in s.values()
+    )
     backends = [
         ("local folder + SQLite", str(tmp / "local"), None, None),
-        ("S3 (moto) + SQLite", f"s3://{make_bucket(endpoint)}/store", f"sqlite:///{tmp / 's3cat.db'}", s3_options(endpoint)),
-        ("S3 (moto) + PostgreSQL", f"s3://{make_bucket(endpoint)}/store", pg_url, s3_options(endpoint)),
+        (
+            "S3 (moto) + SQLite",
+            f"s3://{make_bucket(endpoint)}/store",
+            f"sqlite:///{tmp / 's3cat.db'}",
+            s3_options(endpoint),
+        ),
+        (
+            "S3 (moto) + PostgreSQL",
+            f"s3://{make_bucket(endpoint)}/store",
+            pg_url,
+            s3_options(endpoint),
+        ),
     ]
     rows: list[dict[str, Any]] = []
     for name, location, catalog, opts in backends:
-        store = ckstore.open(location, catalog=catalog, storage_options=opts, run="bench", pack_size=PACK_SIZE)
+        store = ckstore.open(
+            location, catalog=catalog, storage_options=opts, run="bench", pack_size=PACK_SIZE
+        )
         reqs = S3Requests(store) if opts else None
 
         def step(label: str, fn: Callable[[], Any], nbytes: int) -> None:
@@ -188,7 +213,11 @@ def bench_blobstores(mib: int, tmp: Path, endpoint: str, pg_url: str) -> list[di
         step("commit, 25% changed", lambda: store.commit(2, nxt), logical)
         step("commit, unchanged", lambda: store.commit(3, nxt), logical)
         step("checkout, all", lambda: store.checkout(2), logical)
-        step("checkout, 1 rank 1 key", lambda: store.checkout(1, ranks=[0], sub_keys=["model_states"]), logical // 10)
+        step(
+            "checkout, 1 rank 1 key",
+            lambda: store.checkout(1, ranks=[0], sub_keys=["model_states"]),
+            logical // 10,
+        )
         store.close()
     return rows
 
@@ -201,7 +230,13 @@ def _protocol_round(cat: Catalog, run: str, step: int, n_chunks: int) -> None:
     digests = [os.urandom(16) for _ in range(n_chunks)]
     missing = cat.claim_chunks(ck, owner, digests)
     pack = cat.register_pack(ck, owner, new_pack_key())
-    cat.add_chunks(ck, owner, pack, 1000, [NewChunk(d, 8 + 10 * i, 10, 10, 0) for i, d in enumerate(sorted(missing))])
+    cat.add_chunks(
+        ck,
+        owner,
+        pack,
+        1000,
+        [NewChunk(d, 8 + 10 * i, 10, 10, 0) for i, d in enumerate(sorted(missing))],
+    )
     cat.finish_checkpoint(ck, owner, entries=[(0, "model_states", b"x" * 200, 100)], metrics={"loss": 0.5},
                           tags=(), logical_bytes=100, stored_bytes_added=10, replace=False)  # fmt: skip
 
@@ -210,7 +245,10 @@ def bench_catalogs(tmp: Path, pg_url: str, seconds: float) -> list[dict[str, Any
     from ckstore.refs import parse_ref
 
     rows: list[dict[str, Any]] = []
-    for name, url in (("SQLite", f"sqlite:///{tmp / 'ops.db'}"), ("PostgreSQL", pg_url + "?options=-csearch_path%3Dops")):
+    for name, url in (
+        ("SQLite", f"sqlite:///{tmp / 'ops.db'}"),
+        ("PostgreSQL", pg_url + "?options=-csearch_path%3Dops"),
+    ):
         if name == "PostgreSQL":
             import sqlalchemy as sa
 
@@ -236,10 +274,23 @@ def bench_catalogs(tmp: Path, pg_url: str, seconds: float) -> list[dict[str, Any
                 t.start()
             for t in ts:
                 t.join()
-            rows.append({"catalog": name, "operation": label, "per second": sum(done) / (time.perf_counter() - t0)})
+            rows.append(
+                {
+                    "catalog": name,
+                    "operation": label,
+                    "per second": sum(done) / (time.perf_counter() - t0),
+                }
+            )
 
-        rate("commit protocol (16 chunks), 1 thread", lambda: _protocol_round(cat, "a", next(counter), 16))
-        rate("commit protocol (16 chunks), 4 threads", lambda: _protocol_round(cat, "a", next(counter), 16), threads=4)
+        rate(
+            "commit protocol (16 chunks), 1 thread",
+            lambda: _protocol_round(cat, "a", next(counter), 16),
+        )
+        rate(
+            "commit protocol (16 chunks), 4 threads",
+            lambda: _protocol_round(cat, "a", next(counter), 16),
+            threads=4,
+        )
         ref = parse_ref("a@latest")
         rate("resolve latest", lambda: cat.resolve(ref) and None)
         some = [os.urandom(16) for _ in range(256)]
@@ -274,10 +325,19 @@ def bench_growth(tmp: Path, pg_url: str, n: int, samples: int = 60) -> list[dict
     rows: list[dict[str, Any]] = []
     for name, catalogs in (
         ("SQLite", (None, None)),
-        ("PostgreSQL", (pg_url + "?options=-csearch_path%3Dgrown", pg_url + "?options=-csearch_path%3Dfresh")),
+        (
+            "PostgreSQL",
+            (pg_url + "?options=-csearch_path%3Dgrown", pg_url + "?options=-csearch_path%3Dfresh"),
+        ),
     ):
         grown, fresh = (
-            ckstore.open(tmp / f"{kind}-{name}", catalog=cat, run="grow", chunk_size=64 * 1024, pack_size=1 << 20)
+            ckstore.open(
+                tmp / f"{kind}-{name}",
+                catalog=cat,
+                run="grow",
+                chunk_size=64 * 1024,
+                pack_size=1 << 20,
+            )
             for kind, cat in zip(("grown", "fresh"), catalogs)
         )
         t0 = time.perf_counter()
@@ -316,9 +376,15 @@ def show(title: str, rows: list[dict[str, Any]]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mib", type=int, default=48, help="logical size of the blob-store benchmark's state")
-    ap.add_argument("--grow", type=int, default=600, help="checkpoints committed in the growth benchmark")
-    ap.add_argument("--seconds", type=float, default=3.0, help="length of each catalog rate measurement")
+    ap.add_argument(
+        "--mib", type=int, default=48, help="logical size of the blob-store benchmark's state"
+    )
+    ap.add_argument(
+        "--grow", type=int, default=600, help="checkpoints committed in the growth benchmark"
+    )
+    ap.add_argument(
+        "--seconds", type=float, default=3.0, help="length of each catalog rate measurement"
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -336,9 +402,15 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     console.print(f"total {time.perf_counter() - t0:.0f}s on {os.cpu_count()} CPUs")
     if args.json:
-        args.json.write_text(json.dumps({"blobstores": blobs, "catalogs": cats, "growth": growth}, indent=2))
+        args.json.write_text(
+            json.dumps({"blobstores": blobs, "catalogs": cats, "growth": growth}, indent=2)
+        )
     flat = all(r[f"at {args.grow} / at 10 (median)"] < 1.5 for r in growth)
-    console.print("commit cost stays flat as the catalog grows" if flat else "[red]commit cost GROWS with the catalog[/]")
+    console.print(
+        "commit cost stays flat as the catalog grows"
+        if flat
+        else "[red]commit cost GROWS with the catalog[/]"
+    )
     return 0 if flat else 1
 
 

@@ -39,7 +39,11 @@ def main() -> None:
         for step in range(1, args.commits + 1):
             for i in rng.sample(range(args.tensors), max(1, int(args.change * args.tensors))):
                 tensors[i] = torch.randn(args.elems, generator=gen)
-            src.commit(step, {0: {"model_states": {f"l{i}": t for i, t in enumerate(tensors)}}}, {"loss": 1 / step})
+            src.commit(
+                step,
+                {0: {"model_states": {f"l{i}": t for i, t in enumerate(tensors)}}},
+                {"loss": 1 / step},
+            )
         logical = sum(c.logical_bytes for c in src.checkpoints())
         dest = ckstore.open(root / "dest")
         t0 = time.perf_counter()

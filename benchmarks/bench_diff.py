@@ -10,6 +10,7 @@ Prints wall time, blob bytes read and the rate over the bytes compared.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 
@@ -66,6 +67,9 @@ def main() -> None:
         store, "reshard tp2 vs tp4, --no-stats", w.numel() * 4, refs=("tp2@1", "tp4@1"), stats=False
     )
     _timed(store, "reshard tp2 vs tp4 (stats)", w.numel() * 4, refs=("tp2@1", "tp4@1"))
+    store.close()
+    if not args.dir:
+        shutil.rmtree(loc, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -88,11 +88,17 @@ def worker(args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(1_000_000 * world + 1000 * rep + rank)
         sharded = {
             k: DTensor.from_local(
-                torch.randn(local_shape, generator=gen), mesh, [Shard(0)], shape=shape, stride=(shape[1], 1)
+                torch.randn(local_shape, generator=gen),
+                mesh,
+                [Shard(0)],
+                shape=shape,
+                stride=(shape[1], 1),
             )
             for k in dcp_target()
         }
-        rgen = torch.Generator().manual_seed(1_000_000 * world + 1000 * rep + 999)  # the same on every rank
+        rgen = torch.Generator().manual_seed(
+            1_000_000 * world + 1000 * rep + 999
+        )  # the same on every rank
         replicated = {f"rep{i}.weight": torch.randn((1024, 1024), generator=rgen)
                       for i in range(max(1, args.replicated_mib // 4))}  # fmt: skip
         step, ck_dir = 1000 * world + rep, base / f"dcp-sharded-{world}-{rep}"
@@ -109,11 +115,15 @@ def worker(args: argparse.Namespace) -> None:
 
         # reshard what earlier (larger) jobs saved into this job's layout
         for src in args.reshard_from:
-            got = timed(f"ck_reshard_{src}", lambda s=src: assigned.checkout(1000 * s, world_layout=layout))
+            got = timed(
+                f"ck_reshard_{src}", lambda s=src: assigned.checkout(1000 * s, world_layout=layout)
+            )
             target = dcp_target()
             src_dir = base / f"dcp-sharded-{src}-0"
             timed(f"dcp_reshard_{src}", lambda t=target, d=src_dir: dcp.load(t, checkpoint_id=d))
-            assert all(torch.equal(got[rank]["model_states"][k], target[k].to_local()) for k in target)
+            assert all(
+                torch.equal(got[rank]["model_states"][k], target[k].to_local()) for k in target
+            )
 
         # replicated state: time and bytes on disk, one writer per chunk vs every rank writing
         states = {rank: {"m": replicated}}
@@ -122,7 +132,9 @@ def worker(args: argparse.Namespace) -> None:
 
             def commit(store: Any = store, writers: str = writers) -> Any:
                 if collective:
-                    ctx = protocol.CommitContext(store.blobs, store.catalog, store.config, store.workers, store.run)
+                    ctx = protocol.CommitContext(
+                        store.blobs, store.catalog, store.config, store.workers, store.run
+                    )
                     return protocol.start(ctx, 100 + step, states, writers=writers).complete()
                 return store.commit(100 + step, states)
 
@@ -178,12 +190,22 @@ def report(results: list[dict[str, Any]]) -> None:
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}x"
 
-    print("\nsharded state (DTensor Shard(0) over dp), times; ratio = ckstore / DCP (lower is better for ckstore)")
+    print(
+        "\nsharded state (DTensor Shard(0) over dp), times; ratio = ckstore / DCP (lower is better for ckstore)"
+    )
     head = ["operation", "world", "ckstore", "DCP", "ratio"]
     rows = []
     for r in results:
         w = r["world"]
-        rows.append(["commit / save", str(w), s(r["ck_commit"]), s(r["dcp_save"]), ratio(r["ck_commit"], r["dcp_save"])])
+        rows.append(
+            [
+                "commit / save",
+                str(w),
+                s(r["ck_commit"]),
+                s(r["dcp_save"]),
+                ratio(r["ck_commit"], r["dcp_save"]),
+            ]
+        )
         rows.append(["checkout / load, same layout", str(w), s(r["ck_checkout"]), s(r["dcp_load"]),
                      ratio(r["ck_checkout"], r["dcp_load"])])  # fmt: skip
         for src in sorted(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("ck_reshard_")):
@@ -196,7 +218,17 @@ def report(results: list[dict[str, Any]]) -> None:
 
     mib = 1024 * 1024
     print("\nreplicated state (every rank holds the same tensors): commit time and bytes on disk")
-    head = ["world", "state", "ckstore", "bytes", "ckstore all-writers", "bytes", "DCP", "bytes", "ratio"]
+    head = [
+        "world",
+        "state",
+        "ckstore",
+        "bytes",
+        "ckstore all-writers",
+        "bytes",
+        "DCP",
+        "bytes",
+        "ratio",
+    ]
     rows = []
     for r in results:
         rows.append([str(r["world"]), f"{r['replicated_bytes'] / mib:.0f} MiB",
@@ -214,7 +246,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sharded-mib", type=int, default=96)
     p.add_argument("--replicated-mib", type=int, default=24)
-    p.add_argument("--repeat", type=int, default=3, help="runs of everything, on fresh data; the best is shown")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="runs of everything, on fresh data; the best is shown"
+    )
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary folder)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

@@ -23,6 +23,7 @@ PostgreSQL runs in a database of its own, created and dropped by the benchmark.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 import uuid
@@ -165,6 +166,7 @@ def bench_catalog(backend: str, checkpoints: int, pg_base: str) -> dict[str, Any
             with admin.connect() as c:
                 c.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
             admin.dispose()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def bench_end_to_end(commits: int = 40) -> dict[str, Any]:
@@ -191,6 +193,8 @@ def bench_end_to_end(commits: int = 40) -> dict[str, Any]:
     fsck = store.fsck(deep=True)
     fsck_s = time.perf_counter() - t
     assert fsck.ok
+    store.close()
+    shutil.rmtree(tmp, ignore_errors=True)
     return {
         "commits": commits, "commit_s": commit_s, "stored_before": before.stored_bytes, "packs_before": packs_before,
         "dropped": len(report.dropped), "chunks_freed": report.chunks_freed, "packs_deleted": report.packs_deleted,

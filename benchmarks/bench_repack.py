@@ -48,7 +48,10 @@ def run(root: Path, args: argparse.Namespace, min_dead: float | None) -> dict[st
             tensors[i] = torch.randn(args.elems, generator=gen)
         states = {
             "model_states": {f"layer{i}.weight": t for i, t in enumerate(tensors)},
-            "rng": {"torch": torch.randint(0, 255, (5056,), dtype=torch.uint8, generator=gen), "step": step},
+            "rng": {
+                "torch": torch.randint(0, 255, (5056,), dtype=torch.uint8, generator=gen),
+                "step": step,
+            },
             "lr_scheduler": {"lr": 1e-3 * 0.99**step, "scale": float(2 ** (step % 7))},
         }
         t0 = time.perf_counter()
@@ -99,7 +102,9 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     base = results[0]["pack_bytes"]
-    print(f"{'repack':>12} {'packs MiB':>10} {'vs none':>8} {'packs':>6} {'dead':>6} {'gc s (mean)':>12} {'commit s':>9}")
+    print(
+        f"{'repack':>12} {'packs MiB':>10} {'vs none':>8} {'packs':>6} {'dead':>6} {'gc s (mean)':>12} {'commit s':>9}"
+    )
     for r in results:
         name = "none" if r["min_dead"] is None else f"> {r['min_dead']:.0%} dead"
         print(

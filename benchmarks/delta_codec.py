@@ -54,7 +54,9 @@ def chunks(t: torch.Tensor, chunk_size: int) -> list[np.ndarray]:
     return [a[i : i + chunk_size] for i in range(0, a.size, chunk_size)]
 
 
-def measure(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor], chunk_size: int, level: int) -> dict[str, list[int]]:
+def measure(
+    parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor], chunk_size: int, level: int
+) -> dict[str, list[int]]:
     """``{group: [raw, stored plain, stored delta]}``."""
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for path, t in child.items():
@@ -72,8 +74,12 @@ def measure(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor], chu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", type=int, default=100, help="training steps before the parent checkpoint")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--base", type=int, default=100, help="training steps before the parent checkpoint"
+    )
     ap.add_argument("--distances", default="1,10,100", help="steps between parent and child")
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     ap.add_argument("--level", type=int, default=1, help="zstd level (ckstore's default: 1)")
@@ -107,7 +113,19 @@ def main() -> None:
                 f"{d}", name, f"{raw / 2**20:.2f}", f"{100 * plain / raw:.1f}%", f"{100 * delta / raw:.1f}%",
                 f"{100 * gain:+.1f}%",
             ])  # fmt: skip
-    print(table(["steps apart", "tensors", "raw MiB", "stored/raw", "with XOR delta", "bytes saved by delta"], rows))
+    print(
+        table(
+            [
+                "steps apart",
+                "tensors",
+                "raw MiB",
+                "stored/raw",
+                "with XOR delta",
+                "bytes saved by delta",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,12 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+    return bool(
+        torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
+    )
 
 
 def timed(fn: Any) -> tuple[float, Any]:
@@ -68,7 +73,11 @@ def main() -> None:
     sd = gpu_state(args.gib, dev)
     tensors = [t for t in sd.values()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "bytes": nbytes}
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "bytes": nbytes,
+    }
 
     stage_tensors(tensors[:4])  # warm the pinned-memory cache and CUDA context
     for _ in range(2):
@@ -84,7 +93,9 @@ def main() -> None:
         res["stored_bytes"] = ck.stored_bytes_added
         res["checkout_cuda_s"], out = timed(lambda: store.checkout(1, device="cuda"))
         got = out[0]["model_states"]
-        bad = [k for k, v in sd.items() if not (got[k].device.type == "cuda" and bits_equal(got[k], v))]
+        bad = [
+            k for k, v in sd.items() if not (got[k].device.type == "cuda" and bits_equal(got[k], v))
+        ]
         res["bit_exact"] = not bad
         res["mismatches"] = bad
         del out, got
@@ -96,7 +107,9 @@ def main() -> None:
                 os.fsync(f.fileno())
 
         res["torch_save_s"], _ = timed(save)
-        res["torch_load_cuda_s"], _ = timed(lambda: torch.load(p, map_location="cuda", weights_only=True))
+        res["torch_load_cuda_s"], _ = timed(
+            lambda: torch.load(p, map_location="cuda", weights_only=True)
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = nbytes / 1e9

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -30,11 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import minilm_state, synthetic_state  # noqa: E402
-from common import drop_caches, table  # noqa: E402
+from common import (  # noqa: E402
+    adam_state,
+    drop_caches,
+    minilm_state,
+    synthetic_state,
+    table,
+    tiny_state,
+)
 
 import ckstore  # noqa: E402
 from ckstore.blobstore import _local  # noqa: E402
@@ -166,28 +172,6 @@ def randn_state(mib: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(mib * 2**18, generator=g)}
 
 
-def tiny_state(n: int = 20_000) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {f"t{i}": torch.randn(4, generator=g) for i in range(n)}
-
-
-def adam_state(blocks: int = 600, width: int = 64) -> dict[str, Any]:
-    """A real Adam optimizer state: a deep MLP of ``4 * blocks`` parameter tensors, after two
-    steps with real gradients: exp_avg, exp_avg_sq and step for every parameter."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(blocks):
-        layers += [nn.Linear(width, width), nn.LayerNorm(width)]
-    model = nn.Sequential(*layers)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = torch.randn(32, width), torch.randn(32, width)
-    for _ in range(2):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
-        opt.step()
-    return opt.state_dict()
-
-
 def count(state: Any) -> tuple[int, int]:
     tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor)]
     return len(tensors), sum(v.numel() * v.element_size() for v in tensors)
@@ -214,7 +198,9 @@ WORKLOADS: dict[str, tuple[str, Callable[[], Any]]] = {
 }
 
 
-def profile(key: str, root: str, t: StageTimer, cold: bool) -> tuple[str, int, int, dict[str, float], dict[str, float]]:
+def profile(
+    key: str, root: str, t: StageTimer, cold: bool
+) -> tuple[str, int, int, dict[str, float], dict[str, float]]:
     label, make = WORKLOADS[key]
     state = make()
     n, raw = count(state)
@@ -233,7 +219,9 @@ def profile(key: str, root: str, t: StageTimer, cold: bool) -> tuple[str, int, i
     return label, n, raw, c, r
 
 
-def render(label: str, n: int, raw: int, res: dict[str, float], stages: list[str], what: str) -> str:
+def render(
+    label: str, n: int, raw: int, res: dict[str, float], stages: list[str], what: str
+) -> str:
     wall = res["wall"]
     rows = []
     for s in [*stages, "calling thread, unattributed"]:
@@ -248,15 +236,27 @@ def summary(results: list[tuple[str, dict[str, float]]], stages: list[str], what
     """One table for every workload: seconds and share of wall per stage."""
     rows = []
     for st in [*stages, "calling thread, unattributed"]:
-        rows.append([st, *(f"{r.get(st, 0.0):.3f} ({100 * r.get(st, 0.0) / r['wall']:.0f}%)" for _, r in results)])
+        rows.append(
+            [
+                st,
+                *(
+                    f"{r.get(st, 0.0):.3f} ({100 * r.get(st, 0.0) / r['wall']:.0f}%)"
+                    for _, r in results
+                ),
+            ]
+        )
     rows.append(["wall", *(f"{r['wall']:.3f}" for _, r in results)])
     return f"{what}, s (% of wall)\n\n" + table(["stage", *(label for label, _ in results)], rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--only", help="comma-separated workloads: " + ",".join(WORKLOADS))
-    ap.add_argument("--cold", action="store_true", help="drop the page cache before each checkout (root)")
+    ap.add_argument(
+        "--cold", action="store_true", help="drop the page cache before each checkout (root)"
+    )
     ap.add_argument("--dir", help="where the stores go (default: a temporary folder)")
     args = ap.parse_args()
     keys = args.only.split(",") if args.only else list(WORKLOADS)
@@ -274,16 +274,32 @@ def main() -> None:
         r["digest verify"] = r.pop("hashing", 0.0)
         print(render(label, n, raw, c, COMMIT_STAGES, "commit"))
         print()
-        print(render(label, n, raw, r, CHECKOUT_STAGES, "checkout" + (" (cold cache)" if args.cold else " (warm cache)")))
+        print(
+            render(
+                label,
+                n,
+                raw,
+                r,
+                CHECKOUT_STAGES,
+                "checkout" + (" (cold cache)" if args.cold else " (warm cache)"),
+            )
+        )
         print(flush=True)
         commits.append((label, c))
         checkouts.append((label, r))
     print(summary(commits, COMMIT_STAGES, "commit"))
     print()
-    print(summary(checkouts, CHECKOUT_STAGES, "checkout" + (" (cold cache)" if args.cold else " (warm cache)")))
+    print(
+        summary(
+            checkouts,
+            CHECKOUT_STAGES,
+            "checkout" + (" (cold cache)" if args.cold else " (warm cache)"),
+        )
+    )
     print()
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     t.undo()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
