@@ -415,10 +415,10 @@ def test_a_trash_row_naming_the_config_deletes_nothing_on_s3(tmp_path: Path, s3_
 _STALLED_COMMIT = """
 import sys, torch, ckstore
 store = ckstore.open(sys.argv[1], run="exp")
-state = {"model_states": {"w": torch.arange(400_000, dtype=torch.float32)}}
+state = {"model_states": {"w": torch.randn(400_000, generator=torch.Generator().manual_seed(0))}}
 stalled = []
 def progress(done, total):
-    if not stalled:  # the first chunk is in the pack's temp file, which is open: stall here
+    if not stalled:  # the first chunk's frame (random floats: large, written at once) is in the open temp file
         stalled.append(1)
         print("stalled", flush=True)
         assert sys.stdin.readline().strip() == "go"
@@ -437,7 +437,7 @@ def test_gc_never_removes_the_temp_file_of_a_stalled_commit(tmp_path: Path) -> N
     import torch
 
     path = tmp_path / "s"
-    ckstore.init(path, chunk_size=64 * 1024).close()
+    ckstore.init(path, chunk_size=1 << 20).close()  # frames of small chunks are gathered in memory first
     root = Path(__file__).resolve().parent.parent
     child = subprocess.Popen(
         [sys.executable, "-c", _STALLED_COMMIT, str(path)], env={**os.environ, "PYTHONPATH": str(root)},
@@ -469,7 +469,7 @@ def test_gc_never_removes_the_temp_file_of_a_stalled_commit(tmp_path: Path) -> N
             child.wait()
     with ckstore.open(path) as store:
         got = store.checkout("exp@5")[0]["model_states"]["w"]
-        assert torch.equal(got, torch.arange(400_000, dtype=torch.float32))
+        assert torch.equal(got, torch.randn(400_000, generator=torch.Generator().manual_seed(0)))
         assert store.fsck(deep=True).ok
     assert list((path / "tmp").iterdir()) == []
 
