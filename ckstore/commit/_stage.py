@@ -183,6 +183,8 @@ SMALL_BATCH = 1 << 20
 SMALL_BATCH_CHUNKS = 1024
 #: States up to this size are hashed in the calling thread (xxh3 runs at ~10 GB/s: a few ms)
 INLINE_HASH = 16 << 20
+#: Commits writing up to this many raw bytes encode them in the calling thread
+INLINE_ENCODE = 8 << 20
 
 _Batch = list[tuple[bytes, memoryview, int]]  # chunks to encode: (digest, raw bytes, itemsize)
 
@@ -274,8 +276,12 @@ def write_missing(
     """Encode the chunks in ``missing`` on the pool, in order, and append them to packs.
 
     Small chunks are encoded in batches of about :data:`SMALL_BATCH` bytes, a pool task each:
-    thousands of tiny tensors cost a few tasks, not one each."""
+    thousands of tiny tensors cost a few tasks, not one each. Up to :data:`INLINE_ENCODE` bytes
+    in all are encoded in the calling thread: for so little, threads contending for the GIL
+    (each chunk's encoding takes and releases it a dozen times) cost more than they share."""
     inflight: deque[tuple[_Batch, Future[list[codec.Frame]]]] = deque()
+    chunks = list(_unique_missing(staged, missing, chunk_size))
+    inline = sum(raw.nbytes for _, raw, _ in chunks) <= INLINE_ENCODE
 
     def encode_all(batch: _Batch) -> list[codec.Frame]:
         return [codec.encode(raw, item, level) for _, raw, item in batch]
@@ -288,6 +294,12 @@ def write_missing(
                 progress(raw.nbytes)
 
     def submit(batch: _Batch) -> None:
+        if inline:
+            for (d, raw, _), frame in zip(batch, encode_all(batch)):
+                writer.add(d, frame, raw.nbytes)
+                if progress is not None:
+                    progress(raw.nbytes)
+            return
         inflight.append((batch, pool.submit(encode_all, batch)))
         if len(inflight) >= window:
             drain_one()
@@ -296,7 +308,7 @@ def write_missing(
         small = True
         pending: _Batch = []
         pending_bytes = 0
-        for d, raw, item in _unique_missing(staged, missing, chunk_size):
+        for d, raw, item in chunks:
             if small and raw.nbytes >= SMALL_CHUNK:  # close the pack of small chunks
                 small = False
                 if pending:
@@ -304,7 +316,7 @@ def write_missing(
                     pending, pending_bytes = [], 0
                 while inflight:
                     drain_one()
-                writer.close()
+                writer.seal()  # written in the background while the large chunks are encoded
             if not small:
                 submit([(d, raw, item)])
                 continue

@@ -117,6 +117,12 @@ class PackWriter:
         if self._pos >= self.target_size:
             self._finish()
 
+    def seal(self) -> None:
+        """Finish the pack being filled (if any) without waiting for it to be written: the next
+        chunk starts a new pack. :meth:`close` waits for every pack."""
+        if self._w is not None:
+            self._finish()
+
     def close(self) -> None:
         if self._w is not None:
             self._finish()
