@@ -111,14 +111,21 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
     a = np.frombuffer(raw, dtype=np.uint8)
     if itemsize <= 1 or n % itemsize or n < 2 * itemsize:
+        if n <= _SAMPLE_BYTES:  # the sample would be the whole chunk: compress it once
+            comp = _compressor(level).compress(a.data)
+            if len(comp) < _SHRINK_ENOUGH * n:
+                return Frame(CODEC_ZSTD, (_HEADER.pack(CODEC_ZSTD, 1, 0, n), comp), HEADER_SIZE + len(comp))
+            return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
         if _shrinks(a[:_SAMPLE_BYTES], _compressor(level)):
             comp = _compressor(level).compress(a.data)
             if len(comp) < n:
                 return Frame(CODEC_ZSTD, (_HEADER.pack(CODEC_ZSTD, 1, 0, n), comp), HEADER_SIZE + len(comp))
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
 
-    head = a[: _SAMPLE_BYTES * itemsize]
     pc = _plane_compressor(level)
+    if n <= _SAMPLE_BYTES * itemsize:  # each plane's sample would be the whole plane
+        return _small_planes(raw, a, itemsize, pc)
+    head = a[: _SAMPLE_BYTES * itemsize]
     mask = 0
     for j in range(itemsize):
         if _shrinks(np.ascontiguousarray(head[j::itemsize]), pc):
@@ -135,6 +142,27 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
                 continue
             mask &= ~(1 << j)
         planes.append(plane.data)
+    return _planes_frame(raw, itemsize, mask, planes)
+
+
+def _small_planes(raw: memoryview, a: np.ndarray, itemsize: int, pc: zstandard.ZstdCompressor) -> Frame:
+    """:func:`encode` of a chunk whose planes are no longer than a sample: each plane is
+    compressed once and kept compressed if it shrank as a sample must (the same frame as
+    sampling first, for half the work)."""
+    mask = 0
+    planes: list[bytes | memoryview] = []
+    for j, plane in enumerate(_split(a, itemsize)):
+        comp = pc.compress(plane.data)
+        if len(comp) < _SHRINK_ENOUGH * plane.nbytes:
+            mask |= 1 << j
+            planes.append(comp)
+        else:
+            planes.append(plane.data)
+    return _planes_frame(raw, itemsize, mask, planes)
+
+
+def _planes_frame(raw: memoryview, itemsize: int, mask: int, planes: list[bytes | memoryview]) -> Frame:
+    n = raw.nbytes
     if not mask:
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
     lengths = struct.pack(f"<{itemsize}I", *(memoryview(p).nbytes for p in planes))
