@@ -275,10 +275,11 @@ def write_missing(
 ) -> None:
     """Encode the chunks in ``missing`` on the pool, in order, and append them to packs.
 
-    Small chunks are encoded in batches of about :data:`SMALL_BATCH` bytes, a pool task each:
-    thousands of tiny tensors cost a few tasks, not one each. Up to :data:`INLINE_ENCODE` bytes
-    in all are encoded in the calling thread: for so little, threads contending for the GIL
-    (each chunk's encoding takes and releases it a dozen times) cost more than they share."""
+    Small chunks (under :data:`SMALL_CHUNK`), and every chunk of a commit writing up to
+    :data:`INLINE_ENCODE` bytes in all, are encoded in the calling thread: encoding a chunk takes
+    and releases the GIL a dozen times, and for small chunks threads contending for it cost more
+    than they share (an Adam state of 7,200 tensors of 16 KiB: 0.76 s on the pool, 0.66 s
+    inline). Large chunks are encoded on the pool, a window of them in flight."""
     inflight: deque[tuple[_Batch, Future[list[codec.Frame]]]] = deque()
     chunks = list(_unique_missing(staged, missing, chunk_size))
     inline = sum(raw.nbytes for _, raw, _ in chunks) <= INLINE_ENCODE
@@ -294,7 +295,7 @@ def write_missing(
                 progress(raw.nbytes)
 
     def submit(batch: _Batch) -> None:
-        if inline:
+        if inline or small:
             for (d, raw, _), frame in zip(batch, encode_all(batch)):
                 writer.add(d, frame, raw.nbytes)
                 if progress is not None:
@@ -310,10 +311,10 @@ def write_missing(
         pending_bytes = 0
         for d, raw, item in chunks:
             if small and raw.nbytes >= SMALL_CHUNK:  # close the pack of small chunks
-                small = False
                 if pending:
                     submit(pending)
                     pending, pending_bytes = [], 0
+                small = False
                 while inflight:
                     drain_one()
                 writer.seal()  # written in the background while the large chunks are encoded
