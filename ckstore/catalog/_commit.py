@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, literal, select, update
+from sqlalchemy import Connection, delete, literal, select, update
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
@@ -220,11 +220,10 @@ class CommitMixin(RunsMixin):
                     )
                     .on_conflict_do_nothing()
                 )
-                added += conn.execute(
-                    select(func.coalesce(func.sum(CHUNKS.c.length), 0)).where(
-                        CHUNKS.c.digest.in_(digests), CHUNKS.c.pack_id.in_(ours)
-                    )
-                ).scalar_one()
+                # by digest only: a condition on pack_id leads SQLite's planner to scan the pack's
+                # rows (every earlier batch's) through the pack_id index, once per batch
+                rows = conn.execute(select(CHUNKS.c.pack_id, CHUNKS.c.length).where(CHUNKS.c.digest.in_(digests)))
+                added += sum(int(r.length) for r in rows if r.pack_id in ours)
         return added
 
     def finish_checkpoint(
