@@ -46,6 +46,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "bench_copy.py": ([], ["--commits", "4"]),
     "bench_diff.py": ([], ["--tensors", "4", "--mib", "2"]),
     "delta_codec.py": ([], ["--base", "3", "--distances", "1,2"]),
+    "bench_planes.py": ([], ["--calls", "3"]),
     "gpu_check.py": (["--gib", "4"], ["--gib", "0.25"]),
 }
 
