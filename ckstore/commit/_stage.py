@@ -178,16 +178,13 @@ def _live_digests(t: Any, chunk_size: int) -> list[bytes] | None:
 #: (RNG states, step counters, norms) often outlive the checkpoint that first stored them; kept
 #: apart, such a chunk pins a small pack rather than a pack full of large, short-lived chunks.
 SMALL_CHUNK = 256 * 1024
-#: Small chunks are hashed and encoded in batches of about this many bytes, or this many chunks.
+#: Small tensors are hashed in batches of about this many bytes, or this many tensors, a pool task each.
 SMALL_BATCH = 1 << 20
 SMALL_BATCH_CHUNKS = 1024
 #: States up to this size are hashed in the calling thread (xxh3 runs at ~10 GB/s: a few ms)
 INLINE_HASH = 16 << 20
 #: Commits writing up to this many raw bytes encode them in the calling thread
 INLINE_ENCODE = 8 << 20
-
-_Batch = list[tuple[bytes, memoryview, int]]  # chunks to encode: (digest, raw bytes, itemsize)
-
 
 def hash_staged(
     entries: Sequence[PreparedEntry],
@@ -215,9 +212,7 @@ def hash_staged(
     groups: list[list[StagedTensor]] = []
     small: list[StagedTensor] = []
     small_bytes = 0
-    for st in staged:
-        if st.hashed:
-            continue
+    for st in todo:
         if st.data.nbytes >= SMALL_CHUNK:
             groups.append([st])
             continue
@@ -280,59 +275,34 @@ def write_missing(
     and releases the GIL a dozen times, and for small chunks threads contending for it cost more
     than they share (an Adam state of 7,200 tensors of 16 KiB: 0.76 s on the pool, 0.66 s
     inline). Large chunks are encoded on the pool, a window of them in flight."""
-    inflight: deque[tuple[_Batch, Future[list[codec.Frame]]]] = deque()
+    inflight: deque[tuple[bytes, memoryview, Future[codec.Frame]]] = deque()
     chunks = list(_unique_missing(staged, missing, chunk_size))
     inline = sum(raw.nbytes for _, raw, _ in chunks) <= INLINE_ENCODE
 
-    def encode_all(batch: _Batch) -> list[codec.Frame]:
-        return [codec.encode(raw, item, level) for _, raw, item in batch]
-
-    def drain_one() -> None:
-        batch, fut = inflight.popleft()
-        for (d, raw, _), frame in zip(batch, fut.result()):
-            writer.add(d, frame, raw.nbytes)
-            if progress is not None:
-                progress(raw.nbytes)
-
-    def submit(batch: _Batch) -> None:
-        if inline or small:
-            for (d, raw, _), frame in zip(batch, encode_all(batch)):
-                writer.add(d, frame, raw.nbytes)
-                if progress is not None:
-                    progress(raw.nbytes)
-            return
-        inflight.append((batch, pool.submit(encode_all, batch)))
-        if len(inflight) >= window:
-            drain_one()
+    def add(d: bytes, frame: codec.Frame, raw: memoryview) -> None:
+        writer.add(d, frame, raw.nbytes)
+        if progress is not None:
+            progress(raw.nbytes)
 
     try:
         small = True
-        pending: _Batch = []
-        pending_bytes = 0
         for d, raw, item in chunks:
-            if small and raw.nbytes >= SMALL_CHUNK:  # close the pack of small chunks
-                if pending:
-                    submit(pending)
-                    pending, pending_bytes = [], 0
+            if small and raw.nbytes >= SMALL_CHUNK:
                 small = False
-                while inflight:
-                    drain_one()
-                writer.seal()  # written in the background while the large chunks are encoded
-            if not small:
-                submit([(d, raw, item)])
+                writer.seal()  # the pack of small chunks: written while the large ones are encoded
+            if inline or small:
+                add(d, codec.encode(raw, item, level), raw)
                 continue
-            pending.append((d, raw, item))
-            pending_bytes += raw.nbytes
-            if pending_bytes >= SMALL_BATCH or len(pending) >= SMALL_BATCH_CHUNKS:
-                submit(pending)
-                pending, pending_bytes = [], 0
-        if pending:
-            submit(pending)
+            inflight.append((d, raw, pool.submit(codec.encode, raw, item, level)))
+            if len(inflight) >= window:
+                d0, raw0, fut = inflight.popleft()
+                add(d0, fut.result(), raw0)
         while inflight:
-            drain_one()
+            d0, raw0, fut = inflight.popleft()
+            add(d0, fut.result(), raw0)
         writer.close()
     except BaseException:
-        for _, fut in inflight:
+        for _, _, fut in inflight:
             fut.cancel()
         writer.abort()
         raise
