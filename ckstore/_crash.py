@@ -21,7 +21,7 @@ The points, in the order a commit reaches them (docs/reliability.md, "Kill point
 ``pack.durable``
     a pack's object is complete and durable (renamed / put), its chunk rows not yet recorded
 ``pack.chunks_recorded``
-    a pack's chunk rows are recorded (rank 0's own packs)
+    every pack's chunk rows are recorded (rank 0, in ``finish``), the record not yet written
 ``record.written``
     the checkpoint's record is written to the blob store, the checkpoint not yet visible
 ``finish.transaction``
@@ -43,9 +43,9 @@ POINTS = (
     "pack.registered",
     "pack.mid",
     "pack.durable",
-    "pack.chunks_recorded",
     "write",
     "finish",
+    "pack.chunks_recorded",
     "record.written",
     "finish.transaction",
 )

@@ -275,9 +275,9 @@ def test_connection_lost_at_the_commit_that_makes_a_checkpoint_visible(
 #: the other transactions of a commit, each named by a statement only it runs
 COMMIT_TRANSACTIONS = {
     "pending row": "INSERT INTO checkpoints",  # opens the pending checkpoint
-    "claim": "SELECT chunks.id, chunks.digest ",  # references the chunks the catalog has
-    "pack row": "INSERT INTO packs",  # records a pack before its object is written
-    "chunk rows": "INSERT INTO chunks",  # records a written pack's chunks
+    # references the chunks the catalog has, and records the packs before their objects are written
+    "claim": "SELECT chunks.id, chunks.digest ",
+    "chunk rows": "INSERT INTO chunks",  # records the written packs' chunks
 }
 
 

@@ -7,11 +7,13 @@ ckstore calls :class:`Catalog`'s named methods.
 
 Call order of a commit (one process, or rank 0 of a distributed commit)::
 
-    begin_checkpoint  →  claim_chunks  →  (register_pack → write the pack → add_chunks)*
-                      →  finish_checkpoint          (or abort_checkpoint on failure)
+    begin_checkpoint  →  claim_and_register  →  (every rank writes its packs)
+                      →  add_packs  →  finish_checkpoint      (or abort_checkpoint on failure)
 
-A collective commit registers every rank's packs at once (``register_packs``) before the ranks
-write them, and records their chunks (``add_packs``) once every rank is done.
+``claim_and_register`` references the chunks the catalog has and, in the same transaction,
+records every pack the commit may write (an upper bound: ``add_packs`` drops the rows of those
+left unwritten). Commits that stream their chunks (DCP's storage writer, imports) record each
+pack as they go: ``claim_chunks`` → (``register_pack`` → write the pack → ``add_chunks``)*.
 
 ``heartbeat`` may be called from another thread at any time in between. Every method is safe to
 call from many processes at once; ``docs/format.md`` explains why garbage collection running at

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, literal, select, update
+from sqlalchemy import Connection, delete, exists, literal, select, update
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
@@ -18,7 +18,7 @@ from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, Com
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from ._owner import Owner, mark_live
-from ._queries import load_records
+from ._queries import written_record
 from ._rows import (
     CHECKPOINTS,
     CHUNK_REFS,
@@ -136,15 +136,29 @@ class CommitMixin(RunsMixin):
 
     def claim_chunks(self, ckpt_id: int, owner: Owner, digests: Iterable[bytes]) -> set[bytes]:
         """Reference every chunk the catalog already has; return the digests it does not."""
-        wanted = list(dict.fromkeys(digests))
-        found: set[bytes] = set()
         with self._write(lock="shared") as conn:
             self._own_pending(conn, ckpt_id, owner)
-            for batch in batches(wanted):
-                rows = conn.execute(select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(batch))).all()
-                if rows:
-                    self._reference(conn, ckpt_id, [r.id for r in rows])
-                    found.update(bytes(r.digest) for r in rows)
+            return self._claim(conn, ckpt_id, digests)
+
+    def claim_and_register(
+        self, ckpt_id: int, owner: Owner, digests: Iterable[bytes], keys_for: Callable[[set[bytes]], Sequence[str]]
+    ) -> tuple[set[bytes], list[tuple[str, int]]]:
+        """:meth:`claim_chunks` and :meth:`register_packs` in one transaction: the digests the
+        catalog does not have, and the ``(key, id)`` of the packs ``keys_for(missing)`` names."""
+        with self._write(lock="shared") as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            missing = self._claim(conn, ckpt_id, digests)
+            keys = list(keys_for(missing))
+            return missing, list(zip(keys, self._register(conn, ckpt_id, keys)))
+
+    def _claim(self, conn: Connection, ckpt_id: int, digests: Iterable[bytes]) -> set[bytes]:
+        wanted = list(dict.fromkeys(digests))
+        found: set[bytes] = set()
+        for batch in batches(wanted):
+            rows = conn.execute(select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(batch))).all()
+            if rows:
+                self._reference(conn, ckpt_id, [r.id for r in rows])
+                found.update(bytes(r.digest) for r in rows)
         return set(wanted) - found
 
     def _reference(self, conn: Connection, ckpt_id: int, chunk_ids: Sequence[int]) -> None:
@@ -162,16 +176,16 @@ class CommitMixin(RunsMixin):
     def register_packs(self, ckpt_id: int, owner: Owner, keys: Sequence[str]) -> list[int]:
         """:meth:`register_pack` for many keys in one transaction (a collective commit records
         every rank's packs up front); returns their ids in order."""
-        ids = []
         with self._write(lock="shared") as conn:
             self._own_pending(conn, ckpt_id, owner)
-            now = utcnow()
-            for key in keys:
-                res = conn.execute(
-                    PACKS.insert().values(key=key, size=0, created_at=now, owner_checkpoint_id=ckpt_id)
-                )
-                ids.append(int(res.inserted_primary_key[0]))  # type: ignore[index]
-        return ids
+            return self._register(conn, ckpt_id, keys)
+
+    def _register(self, conn: Connection, ckpt_id: int, keys: Sequence[str]) -> list[int]:
+        if not keys:
+            return []
+        now = utcnow()
+        insert = PACKS.insert().values(size=0, created_at=now, owner_checkpoint_id=ckpt_id)
+        return [int(conn.execute(insert, {"key": key}).inserted_primary_key[0]) for key in keys]  # type: ignore[index]
 
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
@@ -179,10 +193,16 @@ class CommitMixin(RunsMixin):
         return self.add_packs(ckpt_id, owner, [(pack_id, pack_size, chunks)])
 
     def add_packs(
-        self, ckpt_id: int, owner: Owner, packs: Sequence[tuple[int, int, Sequence[NewChunk]]]
+        self,
+        ckpt_id: int,
+        owner: Owner,
+        packs: Sequence[tuple[int, int, Sequence[NewChunk]]],
+        *,
+        unused: Sequence[int] = (),
     ) -> int:
         """:meth:`add_chunks` for many written packs ``(pack_id, pack_size, chunks)`` in one
-        transaction (a collective commit records every rank's packs at once)."""
+        transaction (a commit records all its packs at once, once every rank wrote its own);
+        ``unused``: packs registered for the commit and never written, whose rows go."""
         added = 0
         # digest order across every pack: two commits inserting overlapping chunks lock them in
         # the same order, so on PostgreSQL one waits for the other instead of deadlocking
@@ -192,6 +212,14 @@ class CommitMixin(RunsMixin):
             self._own_pending(conn, ckpt_id, owner)
             for pack_id, pack_size, _ in packs:
                 conn.execute(update(PACKS).where(PACKS.c.id == pack_id).values(size=pack_size))
+            for dropped in batches(list(unused)):
+                conn.execute(
+                    delete(PACKS).where(
+                        PACKS.c.id.in_(dropped),
+                        PACKS.c.owner_checkpoint_id == ckpt_id,
+                        ~exists().where(CHUNKS.c.pack_id == PACKS.c.id),
+                    )
+                )
             # executemany of one cached statement: a multi-row VALUES would be compiled anew for
             # every batch, which costs more than the inserts themselves
             insert_chunk = self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"])
@@ -296,7 +324,7 @@ class CommitMixin(RunsMixin):
                     update(PACKS).where(PACKS.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None)
                 )
                 crash_point("finish.transaction")
-                done = load_records(conn, [ckpt_id]).one(ckpt_id)
+                done = written_record(conn, ckpt_id, metrics, tags, [(r, k) for r, k, _, _ in entries])
             return done
         except CatalogError as e:
             if done is None:

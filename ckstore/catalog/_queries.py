@@ -90,33 +90,38 @@ def _metric(value: Any) -> float:
     return float(value)
 
 
+def _rows_query(ids: Sequence[int]) -> Any:
+    parent = CHECKPOINTS.alias("parent")
+    prun = RUNS.alias("prun")
+    return (
+        select(CHECKPOINTS, RUNS.c.name.label("run_name"), parent.c.step.label("pstep"), prun.c.name.label("prun"))
+        .select_from(
+            CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+            .outerjoin(parent, parent.c.id == CHECKPOINTS.c.parent_checkpoint_id)
+            .outerjoin(prun, prun.c.id == parent.c.run_id)
+        )
+        .where(CHECKPOINTS.c.id.in_(ids))
+    )
+
+
 def load_records(conn: Connection, ids: Sequence[int]) -> Loaded:
     """The :class:`Checkpoint` records of checkpoint rows ``ids`` (missing ones left out)."""
     out = Loaded()
     for batch in batches(list(ids)):
-        parent = CHECKPOINTS.alias("parent")
-        prun = RUNS.alias("prun")
-        rows = conn.execute(
-            select(CHECKPOINTS, RUNS.c.name.label("run_name"), parent.c.step.label("pstep"), prun.c.name.label("prun"))
-            .select_from(
-                CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
-                .outerjoin(parent, parent.c.id == CHECKPOINTS.c.parent_checkpoint_id)
-                .outerjoin(prun, prun.c.id == parent.c.run_id)
-            )
-            .where(CHECKPOINTS.c.id.in_(batch))
-        ).all()
+        rows = conn.execute(_rows_query(batch)).all()
         problems: dict[int, str] = {}
         metrics: dict[int, dict[str, float]] = {}
-        for m in conn.execute(
-            select(METRICS).where(METRICS.c.checkpoint_id.in_(batch)).order_by(METRICS.c.checkpoint_id, METRICS.c.name)
-        ):
+        # names in code point order, here rather than by ORDER BY: a PostgreSQL collation may
+        # order them otherwise, and a record reads the same from every catalog
+        for m in sorted(conn.execute(select(METRICS).where(METRICS.c.checkpoint_id.in_(batch))), key=lambda m: m.name):
             try:
                 metrics.setdefault(m.checkpoint_id, {})[m.name] = _metric(m.value)
             except (TypeError, ValueError) as err:
                 problems.setdefault(m.checkpoint_id, f"metric {m.name!r}: {err}")
         tags: dict[int, list[str]] = {}
-        for t in conn.execute(
-            select(TAGS.c.checkpoint_id, TAGS.c.name).where(TAGS.c.checkpoint_id.in_(batch)).order_by(TAGS.c.name)
+        for t in sorted(
+            conn.execute(select(TAGS.c.checkpoint_id, TAGS.c.name).where(TAGS.c.checkpoint_id.in_(batch))),
+            key=lambda t: t.name,
         ):
             tags.setdefault(t.checkpoint_id, []).append(t.name)
         layout: dict[int, tuple[set[int], list[str]]] = {}
@@ -130,32 +135,59 @@ def load_records(conn: Connection, ids: Sequence[int]) -> Loaded:
             if e.sub_key not in keys:
                 keys.append(e.sub_key)
         for r in rows:
-            try:
-                world = WorldLayout.from_json(json.loads(r.world_layout))
-            except (ValueError, TypeError, KeyError, CkstoreError) as err:
-                problems.setdefault(r.id, f"world layout {str(r.world_layout)[:80]!r}: {err}")
-            if r.id in problems:
-                out.corrupt[r.id] = _Corrupt(r.run_name, int(r.step), problems[r.id])
-                continue
             ranks, keys = layout.get(r.id, (set(), []))
-            out.records[r.id] = Checkpoint(
-                id=r.id,
-                run=r.run_name,
-                step=int(r.step),
-                kind=r.kind,
-                status=r.status,
-                created_at=aware(r.created_at),
-                committed_at=aware(r.committed_at),
-                logical_bytes=int(r.logical_bytes or 0),
-                stored_bytes_added=int(r.stored_bytes_added or 0),
-                world_layout=world,
-                metrics=metrics.get(r.id, {}),
-                tags=tuple(tags.get(r.id, ())),
-                ranks=tuple(sorted(ranks)),
-                sub_keys=tuple(keys),
-                parent=f"{r.prun}@{r.pstep}" if r.prun is not None else None,
-            )
+            _build(out, r, problems.get(r.id), metrics.get(r.id, {}), tags.get(r.id, ()), ranks, keys)
     return out
+
+
+def written_record(
+    conn: Connection, ckpt_id: int, metrics: dict[str, float], tags: Sequence[str], entries: Sequence[tuple[int, str]]
+) -> Checkpoint:
+    """The :class:`Checkpoint` record of a checkpoint this transaction just wrote, from its row
+    and the ``metrics``, ``tags`` and entries ``(rank, sub_key)`` (in order) it wrote: what
+    :func:`load_records` would read back, without reading them again."""
+    out = Loaded()
+    keys = list(dict.fromkeys(k for _, k in entries))
+    for r in conn.execute(_rows_query([ckpt_id])):
+        values = {k: math.nan if math.isnan(v) else float(v) for k, v in sorted(metrics.items())}
+        _build(out, r, None, values, sorted(set(tags)), {rank for rank, _ in entries}, keys)
+    return out.one(ckpt_id)
+
+
+def _build(
+    out: Loaded,
+    r: Any,
+    problem: str | None,
+    metrics: dict[str, float],
+    tags: Iterable[str],
+    ranks: set[int],
+    keys: list[str],
+) -> None:
+    """Add checkpoint row ``r`` (a :func:`_rows_query` row) to ``out``, as a record or as corrupt."""
+    try:
+        world = WorldLayout.from_json(json.loads(r.world_layout))
+    except (ValueError, TypeError, KeyError, CkstoreError) as err:
+        problem = problem or f"world layout {str(r.world_layout)[:80]!r}: {err}"
+    if problem is not None:
+        out.corrupt[r.id] = _Corrupt(r.run_name, int(r.step), problem)
+        return
+    out.records[r.id] = Checkpoint(
+        id=r.id,
+        run=r.run_name,
+        step=int(r.step),
+        kind=r.kind,
+        status=r.status,
+        created_at=aware(r.created_at),
+        committed_at=aware(r.committed_at),
+        logical_bytes=int(r.logical_bytes or 0),
+        stored_bytes_added=int(r.stored_bytes_added or 0),
+        world_layout=world,
+        metrics=metrics,
+        tags=tuple(tags),
+        ranks=tuple(sorted(ranks)),
+        sub_keys=tuple(keys),
+        parent=f"{r.prun}@{r.pstep}" if r.prun is not None else None,
+    )
 
 
 def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:

@@ -18,13 +18,14 @@ what, in order:
 3. rank 0       references the chunks the store already has (``plan_writes``); picks exactly one writer among the
                 ranks holding each missing chunk (runs of consecutive chunks, balanced by bytes),
                 so data-parallel replicas are written once in total; records the keys of the
-                packs every other rank may need, before any is written
+                packs every rank may need (its own included), before any is written, in the
+                claim's transaction
    scatter      to each rank: the chunks it writes and its pack keys
-4. every rank   encodes its chunks and writes its packs (``write``) straight to the blob store, in parallel;
-                rank 0 records each of its own packs before writing it and its chunks once written
+4. every rank   encodes its chunks and writes its packs (``write``) straight to the blob store, in parallel
    gather       each rank's packs and manifests, to rank 0
-5. rank 0       records the other ranks' packs' chunks, then makes the checkpoint visible in one
-                transaction (``finish``)
+5. rank 0       records every rank's packs' chunks in one transaction (and drops the rows of
+                packs left unwritten), writes the checkpoint's record, then makes the checkpoint
+                visible in one transaction (``finish``)
    broadcast    the checkpoint, or the error: every rank returns the same record
 
 Only rank 0 talks to the catalog. Rank 0 checks its lease before each of its steps and before
@@ -171,7 +172,7 @@ class StagedCommit:
         self.holdings: list[list[tuple[bytes, int]]] | None = None  # rank 0: what every rank holds
         self.mine: tuple[list[bytes], list[tuple[str, int]]] = ([], [])  # chunks to write, pack slots
         self.results: list[Any] | None = None  # rank 0: every rank's packs and manifests
-        self.added: list[int] = []  # rank 0: stored bytes each of its own packs added
+        self.registered: list[Any] = []  # rank 0: the ids of every pack recorded for the commit
 
     @property
     def what(self) -> str:
@@ -309,32 +310,39 @@ class StagedCommit:
             self.holdings = [list(zip(_split(h[0]), h[1])) if h is not None else [] for h in gathered]
 
     def plan_writes(self) -> None:
-        """Step 3: rank 0 claims existing chunks, picks writers and records the other ranks'
-        pack keys."""
+        """Step 3: rank 0 claims existing chunks, picks writers and records every rank's pack
+        keys, in one catalog transaction."""
         g, cfg = self.g, self.cfg
 
         def local() -> list[Any]:
             assert self.holdings is not None and self.ckpt_id is not None
             self.check_lease()
-            catalog = self.ctx.catalog
-            wanted = list(dict.fromkeys(d for items in self.holdings for d, _ in items))
-            missing = catalog.claim_chunks(self.ckpt_id, self.owner, wanted)
-            if self.writers == "all" or g.size == 1:
-                plan = [[d for d, _ in items if d in missing] for items in self.holdings]
-            else:
-                copies: dict[bytes, list[int]] = {}
-                for items in self.holdings:
-                    for d, n in items:
-                        if d in missing:
-                            copies.setdefault(d, []).append(n)
-                shared = sum(ns[0] for ns in copies.values() if len(ns) > 1)
-                run_bytes = min(cfg.pack_size, max(cfg.chunk_size, shared // (4 * g.size)))
-                plan = assign_writers(self.holdings, missing, run_bytes)
-            sizes = {d: n for items in self.holdings for d, n in items}
-            # rank 0 records its own packs as it opens them; the others' are recorded up front
-            needed = [0] + [packs_needed(sum(sizes[d] for d in p), len(p), cfg.pack_size) for p in plan[1:]]
-            keys = [new_pack_key() for _ in range(sum(needed))]
-            ids = iter(zip(keys, catalog.register_packs(self.ckpt_id, self.owner, keys) if keys else []))
+            catalog, holdings = self.ctx.catalog, self.holdings
+            wanted = list(dict.fromkeys(d for items in holdings for d, _ in items))
+            sizes = {d: n for items in holdings for d, n in items}
+            plan: list[list[bytes]] = []
+            needed: list[int] = []
+
+            def keys_for(missing: set[bytes]) -> list[str]:
+                # inside the claim's transaction: whom each missing chunk goes to, and an upper
+                # bound on the packs each writer fills (the unwritten ones are dropped at finish)
+                if self.writers == "all" or g.size == 1:
+                    plan[:] = [[d for d, _ in items if d in missing] for items in holdings]
+                else:
+                    copies: dict[bytes, list[int]] = {}
+                    for items in holdings:
+                        for d, n in items:
+                            if d in missing:
+                                copies.setdefault(d, []).append(n)
+                    shared = sum(ns[0] for ns in copies.values() if len(ns) > 1)
+                    run_bytes = min(cfg.pack_size, max(cfg.chunk_size, shared // (4 * g.size)))
+                    plan[:] = assign_writers(holdings, missing, run_bytes)
+                needed[:] = [packs_needed(sum(sizes[d] for d in p), len(p), cfg.pack_size) for p in plan]
+                return [new_pack_key() for _ in range(sum(needed))]
+
+            _, registered = catalog.claim_and_register(self.ckpt_id, self.owner, wanted, keys_for)
+            self.registered = [pack_id for _, pack_id in registered]
+            ids = iter(registered)
             return [(_join(p), [next(ids) for _ in range(n)]) for p, n in zip(plan, needed)]
 
         outcome = g.attempt(local) if g.rank == 0 else (None, None)
@@ -353,20 +361,12 @@ class StagedCommit:
             packs: list[tuple[int, int, list[PackedChunk]]] = []
 
             def on_open() -> tuple[str, Any]:
-                if self.ckpt_id is not None:  # rank 0: record the pack before its object is written
-                    key = new_pack_key()
-                    return key, self.ctx.catalog.register_pack(self.ckpt_id, self.owner, key)
                 if not slots:
                     raise CkstoreError(f"rank {g.rank} needs more packs than were recorded for it")
                 return slots.popleft()
 
             def on_close(pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
-                if self.ckpt_id is not None:  # rank 0: record the written pack's chunks now
-                    # (on the writer's upload threads: list.append, not +=, is safe there)
-                    self.added.append(self.ctx.catalog.add_chunks(self.ckpt_id, self.owner, pack_id, size, _rows(chunks)))
-                    crash_point("pack.chunks_recorded")
-                else:
-                    packs.append((pack_id, size, chunks))
+                packs.append((pack_id, size, chunks))  # (on the writer's upload threads: append is safe)
 
             total = sum(self.held[d] for d in assigned)
             done = 0
@@ -399,7 +399,10 @@ class StagedCommit:
             self.check_lease()
             catalog = self.ctx.catalog
             packs = [(pack_id, size, _rows(chunks)) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
-            added = sum(self.added) + (catalog.add_packs(self.ckpt_id, self.owner, packs) if packs else 0)
+            written = {pack_id for pack_id, _, _ in packs}
+            unused = [pack_id for pack_id in self.registered if pack_id not in written]
+            added = catalog.add_packs(self.ckpt_id, self.owner, packs, unused=unused) if packs or unused else 0
+            crash_point("pack.chunks_recorded")
             manifests = [m for _, ms in self.results for m in ms]
             # the checkpoint's record in the blob store, durable before the checkpoint is visible
             when = write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added)

@@ -7,6 +7,7 @@ as they need, from threads and from other processes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -210,6 +211,24 @@ class StoreConformance:
         assert math.isnan(listed[1].metrics["loss"]) and listed[1].metrics["big"] == 1e300
         assert {(r.name, r.checkpoints, r.latest_step) for r in store.runs()} == {("exp", 2, 3), ("other", 1, 7)}
         assert all(c.committed_at is not None and c.committed_at.tzinfo is not None for c in store.checkpoints())
+
+    def test_commit_returns_the_record_the_catalog_reads_back(self, spec: StoreSpec, store: ckstore.Store) -> None:
+        """The record a commit returns is built from what it wrote, not read back: it must equal
+        the one every later read gets (metric and tag names in code point order on every catalog,
+        NaN metrics, ranks and sub-keys, the parent, the times)."""
+        first = store.commit(1, sample_states(1, ranks=1))
+        states = {r: {"b_optim": {"x": torch.ones(3)}, "a_model": {"w": torch.full((5,), float(r))}} for r in (2, 0)}
+        metrics = {"val_loss": 0.25, "Loss": float("nan"), "acc": 1e300, "Zeta": -0.0}
+        made = store.commit(2, states, metrics, tags=["best", "Best", "_x", "z"], parent=1)
+        assert first.parent is None and made.parent == "exp@1"
+        assert made.tags == ("Best", "_x", "best", "z") and list(made.metrics) == ["Loss", "Zeta", "acc", "val_loss"]
+        assert made.ranks == (0, 2) and set(made.sub_keys) == {"b_optim", "a_model"}
+        with spec.open() as other:
+            for read in (store.resolve(2), other.resolve(2), next(c for c in other.checkpoints() if c.step == 2)):
+                assert math.isnan(read.metrics["Loss"]) and math.isnan(made.metrics["Loss"])
+                nan_free = {"metrics": {k: v for k, v in made.metrics.items() if k != "Loss"}}
+                assert dataclasses.replace(read, **nan_free) == dataclasses.replace(made, **nan_free)
+                assert list(read.metrics) == list(made.metrics)
 
     # -- replace, failures, pending commits -----------------------------------------------------
     def test_replace(self, store: ckstore.Store) -> None:
