@@ -12,12 +12,12 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .._threads import TaskGroup
 from ..blobstore import BlobNotFoundError, BlobStore
 from ..catalog import ChunkLocation
 from ..errors import BlobStoreError, ChunkNotFoundError, IntegrityError
@@ -110,7 +110,7 @@ def execute_plan(
         boxes_by_src[bx.src].append(bx)
 
     lock = threading.Lock()
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckstore-read") as pool:
+    with TaskGroup("read", workers) as pool:
         for unit, copies in units.items():
             local_views = views
             staged: torch.Tensor | None = None

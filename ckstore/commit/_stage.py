@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._threads import TaskGroup
 from ..checkout.reshard import PieceInfo, resolve_shards
 from ..errors import CkstoreError, UnsupportedValueError
 from ..format import codec, hashing
@@ -151,7 +152,7 @@ def stage(
     tensors = [entries[ei].leaves[li].tensor for ei, li in order]
     digests: list[Any] | None = None
     if staging is not None and changed_only:
-        with ThreadPoolExecutor(workers, thread_name_prefix="ckstore-stage") as pool:
+        with TaskGroup("stage", workers) as pool:
             digests = list(pool.map(lambda t: _live_digests(t, chunk_size), tensors))
     host = staging.stage(tensors, digests) if staging is not None else stage_tensors(tensors)
     for i, ((ei, li), (t, data)) in enumerate(zip(order, host)):
@@ -191,7 +192,7 @@ def hash_staged(
     staged: Sequence[StagedTensor],
     specs: Mapping[tuple[int, str, str], ShardSpec],
     chunk_size: int,
-    pool: ThreadPoolExecutor,
+    pool: Executor,
 ) -> None:
     """Record each staged tensor's shard placement and hash its chunks, in parallel."""
     for st in staged:
@@ -231,7 +232,7 @@ def stage_and_hash(
     entries: Sequence[PreparedEntry],
     specs: Mapping[tuple[int, str, str], ShardSpec],
     chunk_size: int,
-    pool: ThreadPoolExecutor,
+    pool: Executor,
 ) -> list[StagedTensor]:
     """:func:`stage` (zero-copy) then :func:`hash_staged`: the data path of a blocking commit."""
     staged = stage(entries)
@@ -261,7 +262,7 @@ def write_missing(
     staged: Sequence[StagedTensor],
     missing: set[bytes],
     writer: PackWriter,
-    pool: ThreadPoolExecutor,
+    pool: Executor,
     *,
     chunk_size: int,
     level: int,

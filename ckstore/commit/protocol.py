@@ -44,12 +44,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crash_point
+from .._threads import TaskGroup
 from ..blobstore import BlobStore
 from ..catalog import Catalog, NewChunk, Owner
 from ..checkout.reshard import resolve_shards
@@ -163,7 +164,7 @@ class StagedCommit:
         self.layout: WorldLayout | None = None
         self.ckpt_id: int | None = None  # rank 0: the pending checkpoint
         self.heartbeat: Heartbeat | None = None  # rank 0: keeps the pending checkpoint's lease
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: Executor | None = None
         self.entries: list[_stage.PreparedEntry] = []
         self.specs: Mapping[tuple[int, str, str], ShardSpec] = {}
         self.staged: list[_stage.StagedTensor] = []
@@ -275,7 +276,7 @@ class StagedCommit:
         # the same inputs on every rank: an inconsistent declaration raises the same error everywhere
         self.layout = WorldLayout.from_json(first[2])
         self.specs = resolve_shards(self.layout, [p for d in declared for p in d[3]])
-        self.pool = self.stack.enter_context(ThreadPoolExecutor(self.ctx.workers, thread_name_prefix="ckstore-commit"))
+        self.pool = self.stack.enter_context(TaskGroup("commit", self.ctx.workers))
         crash_point("declare")
 
     def hash(self) -> None:

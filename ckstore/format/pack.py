@@ -21,12 +21,13 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crash_point
+from .._threads import TaskGroup
 from ..blobstore import BlobStore
 from ..errors import IntegrityError
 from .codec import HEADER_SIZE, Frame, max_frame_length
@@ -94,7 +95,7 @@ class PackWriter:
         self._pos = 0
         self.packs_written = 0
         self._inflight = max(1, int(getattr(blobs, "write_concurrency", 1)))
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: TaskGroup | None = None
         self._uploads: list[Future[None]] = []
         self._count_lock = threading.Lock()
         self._buf = bytearray()  # small frames not written yet, at most about _BUFFER bytes
@@ -179,7 +180,7 @@ class PackWriter:
             self._complete(stack, self._pack_id, size, chunks)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._inflight, thread_name_prefix="ckstore-pack")
+            self._pool = TaskGroup("pack", self._inflight)
         self._uploads.append(self._pool.submit(self._complete, stack, self._pack_id, size, chunks))
 
     def _flush(self) -> None:
