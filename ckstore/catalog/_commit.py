@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, delete, exists, literal, select, update
+from sqlalchemy import BindParameter, Connection, bindparam, delete, exists, literal, select, update
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
@@ -35,6 +35,28 @@ from ._runs import RunsMixin
 from ._schema import COMMITTED, PENDING
 
 __all__ = ["CommitMixin"]
+
+# statements built once: building one costs more than running it, several times a commit
+_ID: BindParameter[Any] = bindparam("ckpt")
+_OWN = select(CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step).where(
+    CHECKPOINTS.c.id == _ID
+)
+_STEP_ROWS = select(CHECKPOINTS.c.id, CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.heartbeat_at).where(
+    CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.step == bindparam("step")
+)
+_HEARTBEAT = (
+    update(CHECKPOINTS)
+    .where(CHECKPOINTS.c.id == _ID, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == bindparam("who"))
+    .values(heartbeat_at=bindparam("now"))
+)
+_FOUND = select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
+_ADDED = select(CHUNKS.c.pack_id, CHUNKS.c.length).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
+_PACK_SIZE = update(PACKS).where(PACKS.c.id == bindparam("pack")).values(size=bindparam("new_size"))
+_COMMITTED_AT_STEP = select(CHECKPOINTS.c.id).where(
+    CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.step == bindparam("step"), CHECKPOINTS.c.status == COMMITTED
+)
+_NEW_PACKS = PACKS.insert().returning(PACKS.c.id, sort_by_parameter_order=True)
+_RELEASE_PACKS = update(PACKS).where(PACKS.c.owner_checkpoint_id == _ID).values(owner_checkpoint_id=None)
 
 
 class CommitMixin(RunsMixin):
@@ -62,11 +84,7 @@ class CommitMixin(RunsMixin):
             try:
                 with self._write() as conn:
                     rid = self._run_id(conn, run, create=True)
-                    rows = conn.execute(
-                        select(
-                            CHECKPOINTS.c.id, CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.heartbeat_at
-                        ).where(CHECKPOINTS.c.run_id == rid, CHECKPOINTS.c.step == step)
-                    ).all()
+                    rows = conn.execute(_STEP_ROWS, {"run": rid, "step": step}).all()
                     now = utcnow()
                     for r in rows:
                         if r.status == COMMITTED and not replace:
@@ -111,11 +129,7 @@ class CommitMixin(RunsMixin):
         raise AssertionError("unreachable")
 
     def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
-        row = conn.execute(
-            select(CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step).where(
-                CHECKPOINTS.c.id == ckpt_id
-            )
-        ).first()
+        row = conn.execute(_OWN, {"ckpt": ckpt_id}).first()
         if row is None or row.status != PENDING or row.owner != str(owner):
             raise CommitAbandonedError(
                 "this commit's claim was taken over while it was in flight (garbage collection or "
@@ -127,11 +141,7 @@ class CommitMixin(RunsMixin):
     def heartbeat(self, ckpt_id: int, owner: Owner) -> bool:
         """Refresh a pending checkpoint's lease; False when the claim was lost."""
         with self._write() as conn:
-            res = conn.execute(
-                update(CHECKPOINTS)
-                .where(CHECKPOINTS.c.id == ckpt_id, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == str(owner))
-                .values(heartbeat_at=utcnow())
-            )
+            res = conn.execute(_HEARTBEAT, {"ckpt": ckpt_id, "who": str(owner), "now": utcnow()})
             return bool(res.rowcount)
 
     def claim_chunks(self, ckpt_id: int, owner: Owner, digests: Iterable[bytes]) -> set[bytes]:
@@ -155,7 +165,7 @@ class CommitMixin(RunsMixin):
         wanted = list(dict.fromkeys(digests))
         found: set[bytes] = set()
         for batch in batches(wanted):
-            rows = conn.execute(select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(batch))).all()
+            rows = conn.execute(_FOUND, {"digests": list(batch)}).all()
             if rows:
                 self._reference(conn, ckpt_id, [r.id for r in rows])
                 found.update(bytes(r.digest) for r in rows)
@@ -184,8 +194,8 @@ class CommitMixin(RunsMixin):
         if not keys:
             return []
         now = utcnow()
-        insert = PACKS.insert().values(size=0, created_at=now, owner_checkpoint_id=ckpt_id)
-        return [int(conn.execute(insert, {"key": key}).inserted_primary_key[0]) for key in keys]  # type: ignore[index]
+        rows = [{"key": key, "size": 0, "created_at": now, "owner_checkpoint_id": ckpt_id} for key in keys]
+        return [int(i) for i in conn.execute(_NEW_PACKS, rows).scalars()]
 
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
@@ -210,8 +220,8 @@ class CommitMixin(RunsMixin):
         ours = {pack_id for pack_id, _, _ in packs}
         with self._write(lock="shared") as conn:
             self._own_pending(conn, ckpt_id, owner)
-            for pack_id, pack_size, _ in packs:
-                conn.execute(update(PACKS).where(PACKS.c.id == pack_id).values(size=pack_size))
+            if packs:
+                conn.execute(_PACK_SIZE, [{"pack": pack_id, "new_size": size} for pack_id, size, _ in packs])
             for dropped in batches(list(unused)):
                 conn.execute(
                     delete(PACKS).where(
@@ -250,7 +260,7 @@ class CommitMixin(RunsMixin):
                 )
                 # by digest only: a condition on pack_id leads SQLite's planner to scan the pack's
                 # rows (every earlier batch's) through the pack_id index, once per batch
-                rows = conn.execute(select(CHUNKS.c.pack_id, CHUNKS.c.length).where(CHUNKS.c.digest.in_(digests)))
+                rows = conn.execute(_ADDED, {"digests": digests})
                 added += sum(int(r.length) for r in rows if r.pack_id in ours)
         return added
 
@@ -278,13 +288,7 @@ class CommitMixin(RunsMixin):
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
-                old = conn.execute(
-                    select(CHECKPOINTS.c.id).where(
-                        CHECKPOINTS.c.run_id == row.run_id,
-                        CHECKPOINTS.c.step == row.step,
-                        CHECKPOINTS.c.status == COMMITTED,
-                    )
-                ).scalar()
+                old = conn.execute(_COMMITTED_AT_STEP, {"run": row.run_id, "step": row.step}).scalar()
                 if old is not None:
                     if not replace:
                         raise AlreadyExistsError(
@@ -320,9 +324,7 @@ class CommitMixin(RunsMixin):
                         stored_bytes_added=stored_bytes_added,
                     )
                 )
-                conn.execute(
-                    update(PACKS).where(PACKS.c.owner_checkpoint_id == ckpt_id).values(owner_checkpoint_id=None)
-                )
+                conn.execute(_RELEASE_PACKS, {"ckpt": ckpt_id})
                 crash_point("finish.transaction")
                 done = written_record(conn, ckpt_id, metrics, tags, [(r, k) for r, k, _, _ in entries])
             return done

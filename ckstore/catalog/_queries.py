@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, delete, exists, func, select
+from sqlalchemy import Connection, bindparam, delete, exists, func, select
 
 from ..errors import CheckpointNotFoundError, CkstoreError, IntegrityError, InvalidRefError
 from ..layout import WorldLayout
@@ -90,46 +90,60 @@ def _metric(value: Any) -> float:
     return float(value)
 
 
-def _rows_query(ids: Sequence[int]) -> Any:
-    parent = CHECKPOINTS.alias("parent")
-    prun = RUNS.alias("prun")
-    return (
-        select(CHECKPOINTS, RUNS.c.name.label("run_name"), parent.c.step.label("pstep"), prun.c.name.label("prun"))
-        .select_from(
-            CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
-            .outerjoin(parent, parent.c.id == CHECKPOINTS.c.parent_checkpoint_id)
-            .outerjoin(prun, prun.c.id == parent.c.run_id)
-        )
-        .where(CHECKPOINTS.c.id.in_(ids))
+def _ids() -> Any:
+    return bindparam("ids", expanding=True)
+
+
+_PARENT, _PRUN = CHECKPOINTS.alias("parent"), RUNS.alias("prun")
+#: statements built once (building one costs more than running it, on checkout's hot path)
+_ROWS = (
+    select(CHECKPOINTS, RUNS.c.name.label("run_name"), _PARENT.c.step.label("pstep"), _PRUN.c.name.label("prun"))
+    .select_from(
+        CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+        .outerjoin(_PARENT, _PARENT.c.id == CHECKPOINTS.c.parent_checkpoint_id)
+        .outerjoin(_PRUN, _PRUN.c.id == _PARENT.c.run_id)
     )
+    .where(CHECKPOINTS.c.id.in_(_ids()))
+)
+_METRICS = select(METRICS).where(METRICS.c.checkpoint_id.in_(_ids()))
+_TAGS = select(TAGS.c.checkpoint_id, TAGS.c.name).where(TAGS.c.checkpoint_id.in_(_ids()))
+_LAYOUT = (
+    select(ENTRIES.c.checkpoint_id, ENTRIES.c.rank, ENTRIES.c.sub_key)
+    .where(ENTRIES.c.checkpoint_id.in_(_ids()))
+    .order_by(ENTRIES.c.id)
+)
+_LOCATIONS = (
+    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+    .select_from(CHUNKS.join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
+    .where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
+)
+_ENTRIES = (
+    select(ENTRIES.c.rank, ENTRIES.c.sub_key, ENTRIES.c.manifest)
+    .where(ENTRIES.c.checkpoint_id == bindparam("ckpt"))
+    .order_by(ENTRIES.c.rank, ENTRIES.c.id)
+)
 
 
 def load_records(conn: Connection, ids: Sequence[int]) -> Loaded:
     """The :class:`Checkpoint` records of checkpoint rows ``ids`` (missing ones left out)."""
     out = Loaded()
     for batch in batches(list(ids)):
-        rows = conn.execute(_rows_query(batch)).all()
+        params = {"ids": list(batch)}
+        rows = conn.execute(_ROWS, params).all()
         problems: dict[int, str] = {}
         metrics: dict[int, dict[str, float]] = {}
         # names in code point order, here rather than by ORDER BY: a PostgreSQL collation may
         # order them otherwise, and a record reads the same from every catalog
-        for m in sorted(conn.execute(select(METRICS).where(METRICS.c.checkpoint_id.in_(batch))), key=lambda m: m.name):
+        for m in sorted(conn.execute(_METRICS, params), key=lambda m: m.name):
             try:
                 metrics.setdefault(m.checkpoint_id, {})[m.name] = _metric(m.value)
             except (TypeError, ValueError) as err:
                 problems.setdefault(m.checkpoint_id, f"metric {m.name!r}: {err}")
         tags: dict[int, list[str]] = {}
-        for t in sorted(
-            conn.execute(select(TAGS.c.checkpoint_id, TAGS.c.name).where(TAGS.c.checkpoint_id.in_(batch))),
-            key=lambda t: t.name,
-        ):
+        for t in sorted(conn.execute(_TAGS, params), key=lambda t: t.name):
             tags.setdefault(t.checkpoint_id, []).append(t.name)
         layout: dict[int, tuple[set[int], list[str]]] = {}
-        for e in conn.execute(
-            select(ENTRIES.c.checkpoint_id, ENTRIES.c.rank, ENTRIES.c.sub_key)
-            .where(ENTRIES.c.checkpoint_id.in_(batch))
-            .order_by(ENTRIES.c.id)
-        ):
+        for e in conn.execute(_LAYOUT, params):
             ranks, keys = layout.setdefault(e.checkpoint_id, (set(), []))
             ranks.add(e.rank)
             if e.sub_key not in keys:
@@ -148,7 +162,7 @@ def written_record(
     :func:`load_records` would read back, without reading them again."""
     out = Loaded()
     keys = list(dict.fromkeys(k for _, k in entries))
-    for r in conn.execute(_rows_query([ckpt_id])):
+    for r in conn.execute(_ROWS, {"ids": [ckpt_id]}):
         values = {k: math.nan if math.isnan(v) else float(v) for k, v in sorted(metrics.items())}
         _build(out, r, None, values, sorted(set(tags)), {rank for rank, _ in entries}, keys)
     return out.one(ckpt_id)
@@ -163,7 +177,7 @@ def _build(
     ranks: set[int],
     keys: list[str],
 ) -> None:
-    """Add checkpoint row ``r`` (a :func:`_rows_query` row) to ``out``, as a record or as corrupt."""
+    """Add checkpoint row ``r`` (a ``_ROWS`` row) to ``out``, as a record or as corrupt."""
     try:
         world = WorldLayout.from_json(json.loads(r.world_layout))
     except (ValueError, TypeError, KeyError, CkstoreError) as err:
@@ -280,28 +294,19 @@ class QueriesMixin(CatalogBase):
     ) -> list[tuple[int, str, bytes]]:
         """``(rank, sub_key, manifest)`` of a checkpoint's entries, by rank."""
         with self._read() as conn:
-            q = select(ENTRIES.c.rank, ENTRIES.c.sub_key, ENTRIES.c.manifest).where(
-                ENTRIES.c.checkpoint_id == ckpt_id
-            )
+            q = _ENTRIES
             if ranks is not None:
                 q = q.where(ENTRIES.c.rank.in_(list(ranks)))
             if sub_keys is not None:
                 q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
-            return [
-                (int(r.rank), r.sub_key, bytes(r.manifest)) for r in conn.execute(q.order_by(ENTRIES.c.rank, ENTRIES.c.id))
-            ]
+            return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in conn.execute(q, {"ckpt": ckpt_id})]
 
     def chunk_locations(self, digests: Iterable[bytes]) -> dict[bytes, ChunkLocation]:
         wanted = list(dict.fromkeys(digests))
         out: dict[bytes, ChunkLocation] = {}
         with self._read() as conn:
             for batch in batches(wanted):
-                rows = conn.execute(
-                    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
-                    .select_from(CHUNKS.join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
-                    .where(CHUNKS.c.digest.in_(batch))
-                )
-                for r in rows:
+                for r in conn.execute(_LOCATIONS, {"digests": list(batch)}):
                     out[bytes(r.digest)] = ChunkLocation(
                         r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec)
                     )

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, bindparam, select, update
 
 from ._queries import QueriesMixin
 from ._rows import (
@@ -62,27 +62,33 @@ class RestoredChunk:
     codec: int
 
 
+# statements built once: building one costs more than running it, at every commit
+_FACTS = (
+    select(CHECKPOINTS, RUNS.c.name.label("run_name"), RUNS.c.created_at.label("run_created"))
+    .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+    .where(CHECKPOINTS.c.id == bindparam("ckpt"))
+)
+_CHUNKS_OF = (
+    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+    .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
+    .where(CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"))
+    .order_by(CHUNKS.c.digest)
+)
+_IDENT = (
+    select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.created_at)
+    .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+    .where(CHECKPOINTS.c.id == bindparam("ckpt"))
+)
+
+
 class RecordsMixin(QueriesMixin):
     # -- writing records ------------------------------------------------------------------------
     def record_facts(self, ckpt_id: int) -> RecordFacts:
         """Run, step, times, layout, parent and chunk locations of checkpoint ``ckpt_id``."""
         with self._read() as conn:
-            row = conn.execute(
-                select(CHECKPOINTS, RUNS.c.name.label("run_name"), RUNS.c.created_at.label("run_created"))
-                .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
-                .where(CHECKPOINTS.c.id == ckpt_id)
-            ).one()
+            row = conn.execute(_FACTS, {"ckpt": ckpt_id}).one()
             parent = _ident(conn, row.parent_checkpoint_id)
-            chunks = conn.execute(
-                select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
-                .select_from(
-                    CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(
-                        PACKS, PACKS.c.id == CHUNKS.c.pack_id
-                    )
-                )
-                .where(CHUNK_REFS.c.checkpoint_id == ckpt_id)
-                .order_by(CHUNKS.c.digest)
-            ).all()
+            chunks = conn.execute(_CHUNKS_OF, {"ckpt": ckpt_id}).all()
         return RecordFacts(
             row.run_name, int(row.step), row.kind, aware(row.created_at), aware(row.run_created),
             row.world_layout, parent,
@@ -247,11 +253,7 @@ class RecordsMixin(QueriesMixin):
 def _ident(conn: Connection, ckpt_id: int | None) -> Ident | None:
     if ckpt_id is None:
         return None
-    row = conn.execute(
-        select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.created_at)
-        .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
-        .where(CHECKPOINTS.c.id == ckpt_id)
-    ).first()
+    row = conn.execute(_IDENT, {"ckpt": ckpt_id}).first()
     return None if row is None else (row.name, int(row.step), aware(row.created_at))
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, TypeVar, overload
 
-from sqlalchemy import ColumnElement, Connection, exists, select
+from sqlalchemy import ColumnElement, Connection, bindparam, exists, select
 
 from ..errors import NotFoundError
 from ._schema import (
@@ -25,7 +25,7 @@ from ._schema import (
 )
 
 __all__ = [
-    "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH",
+    "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH", "RUN_ID",
     "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
     "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
@@ -58,9 +58,13 @@ def no_such_run(name: str) -> NotFoundError:
     return NotFoundError(f"no run named {name!r} in this store (see `ckstore runs`)")
 
 
+#: statements built once: building one costs more than running it on the catalogs' hot paths
+RUN_ID = select(RUNS.c.id).where(RUNS.c.name == bindparam("name"))
+
+
 def run_id(conn: Connection, name: str) -> int:
     """The id of run ``name``; :class:`NotFoundError` when the store has no such run."""
-    rid = conn.execute(select(RUNS.c.id).where(RUNS.c.name == name)).scalar()
+    rid = conn.execute(RUN_ID, {"name": name}).scalar()
     if rid is None:
         raise no_such_run(name)
     return int(rid)

@@ -3,16 +3,24 @@ from), and tags on a run's checkpoints."""
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy import Connection, bindparam, delete, func, select, update
 
 from ..errors import AlreadyExistsError, NotFoundError
 from ..records import Checkpoint, RunInfo
 from ..refs import check_name
 from ._access import CatalogBase
-from ._rows import CHECKPOINTS, RUNS, TAGS, aware, run_id, utcnow
+from ._rows import CHECKPOINTS, RUN_ID, RUNS, TAGS, aware, run_id, utcnow
 from ._schema import COMMITTED
 
 __all__ = ["RunsMixin"]
+
+# statements built once: building one costs more than running it, at every commit
+_ORIGIN = select(RUNS.c.id, RUNS.c.parent_checkpoint_id, RUNS.c.parent_ref).where(RUNS.c.name == bindparam("name"))
+_COMMITTED_IN_RUN = (
+    select(func.count())
+    .select_from(CHECKPOINTS)
+    .where(CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.status == COMMITTED)
+)
 
 
 class RunsMixin(CatalogBase):
@@ -20,7 +28,7 @@ class RunsMixin(CatalogBase):
         """The id of run ``name``, made when ``create``; else an unknown run is an error."""
         if not create:
             return run_id(conn, name)
-        rid = conn.execute(select(RUNS.c.id).where(RUNS.c.name == name)).scalar()
+        rid = conn.execute(RUN_ID, {"name": name}).scalar()
         if rid is not None:
             return int(rid)
         check_name("run", name)
@@ -101,16 +109,10 @@ class RunsMixin(CatalogBase):
     def run_origin(self, name: str) -> tuple[int | None, str | None, int] | None:
         """``(parent_checkpoint_id, parent_ref, committed checkpoints)`` of a run; None if no such run."""
         with self._read() as conn:
-            row = conn.execute(
-                select(RUNS.c.id, RUNS.c.parent_checkpoint_id, RUNS.c.parent_ref).where(RUNS.c.name == name)
-            ).first()
+            row = conn.execute(_ORIGIN, {"name": name}).first()
             if row is None:
                 return None
-            n = conn.execute(
-                select(func.count())
-                .select_from(CHECKPOINTS)
-                .where(CHECKPOINTS.c.run_id == row.id, CHECKPOINTS.c.status == COMMITTED)
-            ).scalar_one()
+            n = conn.execute(_COMMITTED_IN_RUN, {"run": row.id}).scalar_one()
         return row.parent_checkpoint_id, row.parent_ref, int(n)
 
     # -- tags -------------------------------------------------------------------------------------
