@@ -146,31 +146,37 @@ def stage(
     only the tensors whose digests differ from those of the bytes the buffer already holds in
     their place (from the previous commit through it); the digests are kept, not computed again.
     """
-    staged: list[StagedTensor] = []
-    order = [(ei, li) for ei, e in enumerate(entries) for li in range(len(e.leaves))]
-    tensors = [entries[ei].leaves[li].tensor for ei, li in order]
+    order = [(ei, li, leaf) for ei, e in enumerate(entries) for li, leaf in enumerate(e.leaves)]
+    tensors = [leaf.tensor for _, _, leaf in order]
     digests: list[Any] | None = None
     if staging is not None and changed_only:
         with ThreadPoolExecutor(workers, thread_name_prefix="ckstore-stage") as pool:
             digests = list(pool.map(lambda t: _live_digests(t, chunk_size), tensors))
     host = staging.stage(tensors, digests) if staging is not None else stage_tensors(tensors)
-    for i, ((ei, li), (t, data)) in enumerate(zip(order, host)):
-        e = entries[ei]
-        path = format_path(e.leaves[li].keys)
-        shape = tuple(int(x) for x in t.shape)
-        st = StagedTensor(ei, li, path, dtype_name(t.dtype), shape, itemsize(t.dtype), t, data)
-        if digests is not None and digests[i] is not None:
-            st.digests, st.hashed = digests[i], True
-        staged.append(st)
+    staged = [
+        StagedTensor(ei, li, format_path(leaf.keys), dtype_name(t.dtype), tuple(t.shape), itemsize(t.dtype), t, data)
+        for (ei, li, leaf), (t, data) in zip(order, host)
+    ]
+    if digests is not None:
+        for st, d in zip(staged, digests):
+            if d is not None:
+                st.digests, st.hashed = d, True
     return staged
 
 
 def _live_digests(t: Any, chunk_size: int) -> list[bytes] | None:
     """The chunk digests of a contiguous CPU tensor as it is now (None for any other tensor)."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     _, data = raw_bytes(t)
+    return _digests(data, chunk_size)
+
+
+def _digests(data: memoryview, chunk_size: int) -> list[bytes]:
+    """The digests of the chunks of ``data`` (none for no bytes)."""
     n = data.nbytes
+    if n <= chunk_size:  # one chunk (most tensors): the bytes as they are
+        return [hashing.digest(data)] if n else []
     return [hashing.digest(data[i * chunk_size : (i + 1) * chunk_size]) for i in range(-(-n // chunk_size))]
 
 
@@ -194,14 +200,14 @@ def hash_staged(
     pool: ThreadPoolExecutor,
 ) -> None:
     """Record each staged tensor's shard placement and hash its chunks, in parallel."""
-    for st in staged:
-        e = entries[st.entry]
-        st.shard = specs.get((e.rank, e.sub_key, st.path))
+    if specs:  # else no tensor is a shard
+        for st in staged:
+            e = entries[st.entry]
+            st.shard = specs.get((e.rank, e.sub_key, st.path))
 
     def hash_all(group: list[StagedTensor]) -> None:
         for st in group:
-            n = st.data.nbytes
-            st.digests = [hashing.digest(st.chunk(i, chunk_size)) for i in range(-(-n // chunk_size))]
+            st.digests = _digests(st.data, chunk_size)
 
     todo = [st for st in staged if not st.hashed]
     if sum(st.data.nbytes for st in todo) <= INLINE_HASH:  # faster than handing it to threads
