@@ -323,7 +323,9 @@ def flatten(
 ) -> tuple[Any, list[Leaf]]:
     """Encode a state tree; returns the tree and its tensors in depth-first order.
 
-    ``tensor_hook`` lets integrations turn foreign leaves (a DTensor, say) into a :class:`Leaf`.
+    ``tensor_hook`` lets integrations turn foreign leaves (a DTensor, say) into a :class:`Leaf`;
+    it is asked about every value whose type is not exactly one of the plain types (dict, list,
+    tuple, str, int, float, bool, None) or ``torch.Tensor``.
     Values ckstore cannot store raise :class:`UnsupportedValueError` naming their key path,
     unless ``allow_pickle`` is set, in which case they are pickled. So does a tree that could not
     be read back as it was: nested deeper than :data:`MAX_DEPTH`, a string key or value that has
@@ -362,6 +364,39 @@ def flatten(
                 f"{at(keys)}: the state tree is nested deeper than {MAX_DEPTH} levels of dicts, lists "
                 "and tuples; flatten it"
             )
+        # values of the plain types first, by exact type: the tensor hook is for foreign values
+        kind = type(x)
+        if kind is dict or kind is list or kind is tuple:
+            return container(x, keys)
+        if kind is torch.Tensor:
+            return tensor(x, keys, None)
+        if kind is str:
+            if not x.isascii():
+                check_str(x, keys, "the string")
+            values.append(keys)
+            return ["s", x]
+        if kind is float:
+            values.append(keys)
+            return ["f", repr(x)]
+        if kind is int:
+            check_int(x, keys, "the value")
+            values.append(keys)
+            return ["i", x]
+        if kind is bool:
+            values.append(keys)
+            return ["b", x]
+        if x is None:
+            values.append(keys)
+            return ["n"]
+        return foreign(x, keys)
+
+    def tensor(t: torch.Tensor, keys: tuple[Any, ...], shard: Shard | None) -> list[Any]:
+        _check_storable(t, keys, at)
+        leaves.append(Leaf(keys, t, shard))
+        values.append(keys)
+        return ["T", len(leaves) - 1]
+
+    def foreign(x: Any, keys: tuple[Any, ...]) -> Any:
         if tensor_hook is not None:
             hooked = tensor_hook(x)
             if hooked is not None:
@@ -373,15 +408,9 @@ def flatten(
         if isinstance(x, Shard):
             if not isinstance(x.tensor, torch.Tensor):
                 raise UnsupportedValueError(f"{at(keys)}: Shard must wrap a torch.Tensor")
-            _check_storable(x.tensor, keys, at)
-            leaves.append(Leaf(keys, x.tensor, x))
-            values.append(keys)
-            return ["T", len(leaves) - 1]
+            return tensor(x.tensor, keys, x)
         if isinstance(x, torch.Tensor):
-            _check_storable(x, keys, at)
-            leaves.append(Leaf(keys, x, None))
-            values.append(keys)
-            return ["T", len(leaves) - 1]
+            return tensor(x, keys, None)
         if isinstance(x, str):
             check_str(x, keys, "the string")
         elif isinstance(x, int) and not isinstance(x, bool):
@@ -390,19 +419,8 @@ def flatten(
         if enc is not None:
             values.append(keys)
             return enc
-        if isinstance(x, (dict, list, tuple)) and (type(x) in (dict, list, tuple) or _plain_subclass(x)):
-            if id(x) in active:
-                raise UnsupportedValueError(f"{at(keys)}: the state tree contains a reference cycle")
-            if not x:
-                values.append(keys)
-            active.add(id(x))
-            try:
-                if isinstance(x, dict):
-                    return ["d", walk_dict(x, keys)]
-                tag = "l" if isinstance(x, list) else "t"
-                return [tag, [walk(v, (*keys, i)) for i, v in enumerate(x)]]
-            finally:
-                active.discard(id(x))
+        if isinstance(x, (dict, list, tuple)) and _plain_subclass(x):
+            return container(x, keys)
         if allow_pickle:
             try:
                 values.append(keys)
@@ -416,24 +434,39 @@ def flatten(
             "allow_pickle=True too)"
         )
 
+    def container(x: Any, keys: tuple[Any, ...]) -> list[Any]:
+        if id(x) in active:
+            raise UnsupportedValueError(f"{at(keys)}: the state tree contains a reference cycle")
+        if not x:
+            values.append(keys)
+        active.add(id(x))
+        try:
+            if isinstance(x, dict):
+                return ["d", walk_dict(x, keys)]
+            tag = "l" if isinstance(x, list) else "t"
+            return [tag, [walk(v, (*keys, i)) for i, v in enumerate(x)]]
+        finally:
+            active.discard(id(x))
+
     def walk_dict(x: dict[Any, Any], keys: tuple[Any, ...]) -> list[Any]:
-        items = []
         named: dict[str, Any] | None = None  # a dict with keys that are not str: keys as read
         for k in x:
             if isinstance(k, str):
-                check_str(k, keys, "the dict key")
+                if not k.isascii():
+                    check_str(k, keys, "the dict key")
                 if "\x00" in k:
                     raise UnsupportedValueError(f"{at(keys)}: dict key {k!r} contains a NUL character")
                 if "/" in k:
                     slashed[0] = True
-            elif not isinstance(k, _KEY_TYPES):
+                continue
+            if not isinstance(k, _KEY_TYPES):
                 raise UnsupportedValueError(
                     f"{at(keys)}: dict key {k!r} of type {type(k).__name__} is not "
                     "supported (use str, int, float, bool or None keys)"
                 )
-            elif isinstance(k, int) and not isinstance(k, bool):
+            if isinstance(k, int) and not isinstance(k, bool):
                 check_int(k, keys, "a dict key")
-            if named is None and not isinstance(k, str):
+            if named is None:
                 named = {str(j): j for j in x if isinstance(j, str)}
         if named is not None:  # 1 and "1" (or None and "None") would read as one key
             for k in x:
@@ -442,9 +475,7 @@ def flatten(
                 other = named.setdefault(str(k), k)
                 if other is not k:
                     raise _collision(where, (*keys, other), (*keys, k))
-        for k, v in x.items():
-            items.append([_encode_scalar(k), walk(v, (*keys, k))])
-        return items
+        return [[["s", k] if type(k) is str else _encode_scalar(k), walk(v, (*keys, k))] for k, v in x.items()]
 
     tree = walk(obj, ())
     if slashed[0]:  # only a key holding "/" can make key paths of different depths read alike
