@@ -247,12 +247,11 @@ class StagingBuffer:
                 if fingerprints is not None and fingerprints[i] is not None and fingerprints[i] == held[i]:
                     self.kept += 1
                     continue
-                # copy_ writes the values a conjugate or negative view shows, and never the source's grad
-                if t.is_cpu:
+                if t.is_cpu:  # copy_ writes the values a conjugate or negative view shows
                     dst.copy_(t)
-                else:
+                else:  # such views resolved on the device first: an asynchronous copy leaves no fix-up to the host
                     asynchronous = self.pin_memory and t.is_cuda
-                    dst.copy_(t, non_blocking=asynchronous)
+                    dst.copy_(t.resolve_conj().resolve_neg(), non_blocking=asynchronous)
                     if asynchronous:
                         devices.add(t.device)
                 self.copied += 1
