@@ -15,8 +15,17 @@ from hypothesis import strategies as st
 import ckstore
 
 
+def _commit(store: ckstore.Store, blocking: bool, step: int, rank_states: Any) -> None:
+    """Commit; an asynchronous commit (staged into a reused buffer) is waited for."""
+    if blocking:
+        store.commit(step, rank_states)
+    else:
+        store.commit(step, rank_states, blocking=False).wait()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "staged"])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_every_dtype_bit_exact(store: ckstore.Store, dtype: torch.dtype) -> None:
+def test_every_dtype_bit_exact(store: ckstore.Store, dtype: torch.dtype, blocking: bool) -> None:
     g = torch.Generator().manual_seed(1)
     state = {
         "big": random_tensor(dtype, (300, 129), g),  # spans several 64 KiB chunks
@@ -24,12 +33,13 @@ def test_every_dtype_bit_exact(store: ckstore.Store, dtype: torch.dtype) -> None
         "empty": torch.empty((0, 5), dtype=dtype),
         "vector": random_tensor(dtype, (7,), g),
     }
-    store.commit(1, {0: {"model_states": state}})
+    _commit(store, blocking, 1, {0: {"model_states": state}})
     out = store.checkout(1)
     assert_same(out[0]["model_states"], state)
 
 
-def test_non_contiguous_views_and_shared_storage(store: ckstore.Store) -> None:
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "staged"])
+def test_non_contiguous_views_and_shared_storage(store: ckstore.Store, blocking: bool) -> None:
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
     state = {
         "transposed": base.t(),
@@ -40,8 +50,12 @@ def test_non_contiguous_views_and_shared_storage(store: ckstore.Store) -> None:
         "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),
         "neg": torch.tensor([1.0, 2.0])._neg_view(),
         "param": torch.nn.Parameter(torch.randn(3, 3)),
+        "grad_expr": torch.nn.Parameter(torch.randn(2, 3)) * 2,
+        "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "scalar_view": base[2, 3],
+        "empty_view": base[:, 10:],
     }
-    store.commit(1, {0: {"s": state}})
+    _commit(store, blocking, 1, {0: {"s": state}})
     out = store.checkout(1)[0]["s"]
     for k, v in state.items():
         want = v.detach().resolve_conj().resolve_neg().contiguous()
