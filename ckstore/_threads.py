@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from typing import Any, TypeVar
 
 __all__ = ["TaskGroup"]
@@ -54,15 +55,13 @@ class TaskGroup(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """End the call's use of the pool (the pool's threads stay for the next call): cancel
         the tasks not started when ``cancel_futures``, then wait for the rest when ``wait``."""
-        left = list(self._pending)
+        left = self._pending.copy()  # (one C call: atomic against the done-callbacks)
         if cancel_futures:
             for fut in left:
                 fut.cancel()
         if wait:
-            _wait_all(left)
+            wait_for(left)
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown(wait=True, cancel_futures=exc[0] is not None)
 
-
-_wait_all = wait
