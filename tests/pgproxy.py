@@ -72,6 +72,7 @@ class PgProxy:
         self._closed = False
         self.cut: Cut | None = None
         self.commits = 0  # COMMITs forwarded to the server
+        self.forwarded: list[str] = []  # every statement forwarded to the server, in order
         self.connections = 0  # client connections accepted
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
@@ -218,6 +219,8 @@ class _Connection:
                 self.statements = []
             else:
                 self.statements.append(text)
+            with self.proxy._lock:
+                self.proxy.forwarded.append(text)
         self.server.sendall(raw)
         return True
 

@@ -253,10 +253,13 @@ def test_connection_lost_at_the_commit_that_makes_a_checkpoint_visible(
         if when == "after":
             visible = view.resolve(2)
             assert (visible.metrics, visible.tags) == ({"loss": 0.5}, ("two",))
-            commits = proxy.commits
+            before = len(proxy.forwarded)
             with pytest.raises(ckstore.AlreadyExistsError, match="run 'exp' already has a checkpoint at step 2"):
                 store.commit(2, sample_states(2), {"loss": 0.5}, tags=["two"])  # the retry
-            assert proxy.commits > commits  # it asked the server, on a new connection
+            asked = proxy.forwarded[before:]
+            # it asked the server (the step's rows), which answered that the step is taken: no pending row
+            assert any("FROM checkpoints" in s for s in asked), asked
+            assert not any(s.startswith("INSERT INTO checkpoints") for s in asked), asked
             assert view.resolve(2).id == visible.id  # and changed nothing
         else:
             assert [c.step for c in view.checkpoints()] == [1]

@@ -4,7 +4,7 @@ read snapshots, write transactions, dialect-specific inserts, database errors tr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,7 +14,37 @@ from sqlalchemy import exc as sa_exc
 from ..errors import OUTCOME_UNKNOWN, CatalogError
 from ._engine import check_schema, head_revision, make_engine, redact, upgrade_schema, write_txn
 
-__all__ = ["CatalogBase"]
+__all__ = ["CatalogBase", "DriverStatement"]
+
+
+class DriverStatement:
+    """An INSERT compiled once for a dialect and run as the database driver's own executemany.
+
+    SQLAlchemy processes every row of an executemany in Python (~7 µs a row: a commit of 20,000
+    chunks spent 0.14 s of its catalog time there); for rows of plain ints and bytes, which need
+    no conversion on either dialect, the driver takes them as they are. ``keys`` name the
+    columns each row gives, in order.
+    """
+
+    def __init__(self, stmt: Any, dialect: Any, keys: Sequence[str]) -> None:
+        compiled = stmt.compile(dialect=dialect, column_keys=list(keys))
+        self.sql = str(compiled)
+        self.keys = tuple(keys)
+        order = compiled.positiontup  # None for a driver that takes named parameters
+        self.order = None if order is None else [self.keys.index(k) for k in order]
+        if self.order is not None and len(self.order) != len(self.keys):
+            raise AssertionError(f"{self.sql} does not take exactly {self.keys}")
+
+    def executemany(self, conn: Connection, rows: Sequence[tuple[Any, ...]]) -> None:
+        if not rows:
+            return
+        if self.order is None:
+            params: list[Any] = [dict(zip(self.keys, r)) for r in rows]
+        elif self.order == list(range(len(self.keys))):
+            params = list(rows)
+        else:
+            params = [tuple(r[i] for i in self.order) for r in rows]
+        conn.exec_driver_sql(self.sql, params)
 
 
 class CatalogBase:
@@ -49,10 +79,11 @@ class CatalogBase:
 
     # -- transactions -----------------------------------------------------------------------------
     @contextmanager
-    def _write(self, lock: str | None = None) -> Iterator[Connection]:
-        """A write transaction; ``lock="shared"`` for commits, ``"exclusive"`` for gc sweeps."""
+    def _write(self, lock: str | None = None, *, durable: bool = True) -> Iterator[Connection]:
+        """A write transaction; ``lock="shared"`` for commits, ``"exclusive"`` for gc sweeps;
+        ``durable=False`` for one a later durable transaction makes durable (see ``write_txn``)."""
         try:
-            with write_txn(self.engine, lock) as conn:
+            with write_txn(self.engine, lock, durable=durable) as conn:
                 yield conn
         except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
             raise CatalogError(

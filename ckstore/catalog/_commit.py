@@ -8,17 +8,20 @@ import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
-from sqlalchemy import BindParameter, Connection, bindparam, delete, exists, literal, select, update
+from sqlalchemy import BindParameter, Connection, Integer, bindparam, delete, exists, select, update
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
 from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
+from ._access import DriverStatement
 from ._owner import Owner, mark_live
 from ._queries import written_record
+from ._records import RecordFacts, read_facts
 from ._rows import (
     CHECKPOINTS,
     CHUNK_REFS,
@@ -26,6 +29,8 @@ from ._rows import (
     ENTRIES,
     METRICS,
     PACKS,
+    RUN_ORIGIN,
+    RUNS,
     NewChunk,
     aware,
     batches,
@@ -55,11 +60,43 @@ _PACK_SIZE = update(PACKS).where(PACKS.c.id == bindparam("pack")).values(size=bi
 _COMMITTED_AT_STEP = select(CHECKPOINTS.c.id).where(
     CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.step == bindparam("step"), CHECKPOINTS.c.status == COMMITTED
 )
+_ANY_COMMITTED = (
+    select(CHECKPOINTS.c.id).where(CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.status == COMMITTED).limit(1)
+)
+_REF_OF = (
+    select(RUNS.c.name, CHECKPOINTS.c.step)
+    .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+    .where(CHECKPOINTS.c.id == _ID, CHECKPOINTS.c.status == COMMITTED)
+)
+_CHUNK_COLUMNS = ("digest", "pack_id", "offset", "length", "raw_size", "codec")
 _NEW_PACKS = PACKS.insert().returning(PACKS.c.id, sort_by_parameter_order=True)
 _RELEASE_PACKS = update(PACKS).where(PACKS.c.owner_checkpoint_id == _ID).values(owner_checkpoint_id=None)
 
 
 class CommitMixin(RunsMixin):
+    @cached_property
+    def _upserts(self) -> tuple[DriverStatement, DriverStatement, Any]:
+        """This dialect's inserts that skip rows already there, built once: chunk rows,
+        references, and a checkpoint's references to chunks by digest."""
+        refs_by_digest = (
+            self._insert(CHUNK_REFS)
+            .from_select(
+                ["checkpoint_id", "chunk_id"],
+                select(bindparam("ckpt", type_=Integer), CHUNKS.c.id).where(
+                    CHUNKS.c.digest.in_(bindparam("digests", expanding=True))
+                ),
+            )
+            .on_conflict_do_nothing()
+        )
+        dialect = self.engine.dialect
+        return (
+            DriverStatement(
+                self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"]), dialect, _CHUNK_COLUMNS
+            ),
+            DriverStatement(self._insert(CHUNK_REFS).on_conflict_do_nothing(), dialect, ("checkpoint_id", "chunk_id")),
+            refs_by_digest,
+        )
+
     def begin_checkpoint(
         self,
         run: str,
@@ -71,8 +108,12 @@ class CommitMixin(RunsMixin):
         world_layout: WorldLayout,
         lease_seconds: float,
         parent_checkpoint_id: int | None = None,
+        fork_point: bool = False,
     ) -> int:
         """Insert a pending checkpoint row for ``(run, step)`` and return its id.
+
+        Its parent is ``parent_checkpoint_id``; with none and ``fork_point``, a forked run's
+        first commit descends from the checkpoint the run was forked from, if it still exists.
 
         A pending row whose owner is gone (a dead process on this host, a commit of this process
         that failed without cleaning up, or a lease not renewed in time) is taken over; a live
@@ -82,8 +123,12 @@ class CommitMixin(RunsMixin):
         mark_live(owner.nonce, True)  # until finish_checkpoint, abort_checkpoint or a failure here
         for attempt in range(3):
             try:
-                with self._write() as conn:
-                    rid = self._run_id(conn, run, create=True)
+                with self._write(durable=False) as conn:
+                    origin = conn.execute(RUN_ORIGIN, {"name": run}).first()
+                    rid = int(origin.id) if origin is not None else self._run_id(conn, run, create=True)
+                    parent = parent_checkpoint_id
+                    if parent is None and fork_point and origin is not None:
+                        parent = _fork_point(conn, rid, origin.parent_checkpoint_id, origin.parent_ref)
                     rows = conn.execute(_STEP_ROWS, {"run": rid, "step": step}).all()
                     now = utcnow()
                     for r in rows:
@@ -115,7 +160,7 @@ class CommitMixin(RunsMixin):
                             world_layout=json.dumps(world_layout.to_json()),
                             logical_bytes=0,
                             stored_bytes_added=0,
-                            parent_checkpoint_id=parent_checkpoint_id,
+                            parent_checkpoint_id=parent,
                         )
                     )
                     return int(res.inserted_primary_key[0])  # type: ignore[index]
@@ -140,13 +185,13 @@ class CommitMixin(RunsMixin):
 
     def heartbeat(self, ckpt_id: int, owner: Owner) -> bool:
         """Refresh a pending checkpoint's lease; False when the claim was lost."""
-        with self._write() as conn:
+        with self._write(durable=False) as conn:
             res = conn.execute(_HEARTBEAT, {"ckpt": ckpt_id, "who": str(owner), "now": utcnow()})
             return bool(res.rowcount)
 
     def claim_chunks(self, ckpt_id: int, owner: Owner, digests: Iterable[bytes]) -> set[bytes]:
         """Reference every chunk the catalog already has; return the digests it does not."""
-        with self._write(lock="shared") as conn:
+        with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
             return self._claim(conn, ckpt_id, digests)
 
@@ -155,7 +200,7 @@ class CommitMixin(RunsMixin):
     ) -> tuple[set[bytes], list[tuple[str, int]]]:
         """:meth:`claim_chunks` and :meth:`register_packs` in one transaction: the digests the
         catalog does not have, and the ``(key, id)`` of the packs ``keys_for(missing)`` names."""
-        with self._write(lock="shared") as conn:
+        with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
             missing = self._claim(conn, ckpt_id, digests)
             keys = list(keys_for(missing))
@@ -174,10 +219,7 @@ class CommitMixin(RunsMixin):
     def _reference(self, conn: Connection, ckpt_id: int, chunk_ids: Sequence[int]) -> None:
         """Reference chunks from a checkpoint (a reference already there is kept)."""
         if chunk_ids:
-            conn.execute(
-                self._insert(CHUNK_REFS).on_conflict_do_nothing(),
-                [{"checkpoint_id": ckpt_id, "chunk_id": i} for i in chunk_ids],
-            )
+            self._upserts[1].executemany(conn, [(ckpt_id, i) for i in chunk_ids])
 
     def register_pack(self, ckpt_id: int, owner: Owner, key: str) -> int:
         """Record a pack before its object is written, owned by the pending checkpoint."""
@@ -186,7 +228,7 @@ class CommitMixin(RunsMixin):
     def register_packs(self, ckpt_id: int, owner: Owner, keys: Sequence[str]) -> list[int]:
         """:meth:`register_pack` for many keys in one transaction (a collective commit records
         every rank's packs up front); returns their ids in order."""
-        with self._write(lock="shared") as conn:
+        with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
             return self._register(conn, ckpt_id, keys)
 
@@ -213,55 +255,61 @@ class CommitMixin(RunsMixin):
         """:meth:`add_chunks` for many written packs ``(pack_id, pack_size, chunks)`` in one
         transaction (a commit records all its packs at once, once every rank wrote its own);
         ``unused``: packs registered for the commit and never written, whose rows go."""
+        with self._write(lock="shared", durable=False) as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            return self._add_packs(conn, ckpt_id, packs, unused)
+
+    def record_packs(
+        self,
+        ckpt_id: int,
+        owner: Owner,
+        packs: Sequence[tuple[int, int, Sequence[NewChunk]]],
+        *,
+        unused: Sequence[int] = (),
+    ) -> tuple[int, RecordFacts]:
+        """:meth:`add_packs`, and in the same transaction what the checkpoint's record needs
+        (:meth:`record_facts`, chunk locations included): ``(stored bytes added, facts)``."""
+        with self._write(lock="shared", durable=False) as conn:
+            self._own_pending(conn, ckpt_id, owner)
+            added = self._add_packs(conn, ckpt_id, packs, unused)
+            return added, read_facts(conn, ckpt_id)
+
+    def _add_packs(
+        self,
+        conn: Connection,
+        ckpt_id: int,
+        packs: Sequence[tuple[int, int, Sequence[NewChunk]]],
+        unused: Sequence[int],
+    ) -> int:
         added = 0
         # digest order across every pack: two commits inserting overlapping chunks lock them in
         # the same order, so on PostgreSQL one waits for the other instead of deadlocking
         ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
         ours = {pack_id for pack_id, _, _ in packs}
-        with self._write(lock="shared") as conn:
-            self._own_pending(conn, ckpt_id, owner)
-            if packs:
-                conn.execute(_PACK_SIZE, [{"pack": pack_id, "new_size": size} for pack_id, size, _ in packs])
-            for dropped in batches(list(unused)):
-                conn.execute(
-                    delete(PACKS).where(
-                        PACKS.c.id.in_(dropped),
-                        PACKS.c.owner_checkpoint_id == ckpt_id,
-                        ~exists().where(CHUNKS.c.pack_id == PACKS.c.id),
-                    )
+        if packs:
+            conn.execute(_PACK_SIZE, [{"pack": pack_id, "new_size": size} for pack_id, size, _ in packs])
+        for dropped in batches(list(unused)):
+            conn.execute(
+                delete(PACKS).where(
+                    PACKS.c.id.in_(dropped),
+                    PACKS.c.owner_checkpoint_id == ckpt_id,
+                    ~exists().where(CHUNKS.c.pack_id == PACKS.c.id),
                 )
-            # executemany of one cached statement: a multi-row VALUES would be compiled anew for
-            # every batch, which costs more than the inserts themselves
-            insert_chunk = self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"])
-            for batch in batches(ordered):
-                conn.execute(
-                    insert_chunk,
-                    [
-                        {
-                            "digest": c.digest,
-                            "pack_id": pack_id,
-                            "offset": c.offset,
-                            "length": c.length,
-                            "raw_size": c.raw_size,
-                            "codec": c.codec,
-                        }
-                        for pack_id, c in batch
-                    ],
-                )
-                digests = [c.digest for _, c in batch]
-                # reference every chunk of the batch, ours or the row another commit recorded first
-                conn.execute(
-                    self._insert(CHUNK_REFS)
-                    .from_select(
-                        ["checkpoint_id", "chunk_id"],
-                        select(literal(ckpt_id), CHUNKS.c.id).where(CHUNKS.c.digest.in_(digests)),
-                    )
-                    .on_conflict_do_nothing()
-                )
-                # by digest only: a condition on pack_id leads SQLite's planner to scan the pack's
-                # rows (every earlier batch's) through the pack_id index, once per batch
-                rows = conn.execute(_ADDED, {"digests": digests})
-                added += sum(int(r.length) for r in rows if r.pack_id in ours)
+            )
+        # executemany of one cached statement: a multi-row VALUES would be compiled anew for
+        # every batch, which costs more than the inserts themselves
+        insert_chunk, _, refs_by_digest = self._upserts
+        for batch in batches(ordered):
+            insert_chunk.executemany(
+                conn, [(c.digest, pack_id, c.offset, c.length, c.raw_size, c.codec) for pack_id, c in batch]
+            )
+            digests = [c.digest for _, c in batch]
+            # reference every chunk of the batch, ours or the row another commit recorded first
+            conn.execute(refs_by_digest, {"ckpt": ckpt_id, "digests": digests})
+            # by digest only: a condition on pack_id leads SQLite's planner to scan the pack's
+            # rows (every earlier batch's) through the pack_id index, once per batch
+            rows = conn.execute(_ADDED, {"digests": digests})
+            added += sum(int(r.length) for r in rows if r.pack_id in ours)
         return added
 
     def finish_checkpoint(
@@ -344,3 +392,18 @@ class CommitMixin(RunsMixin):
                     CHECKPOINTS.c.id == ckpt_id, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == str(owner)
                 )
             )
+
+
+def _fork_point(conn: Connection, rid: int, parent_id: int | None, parent_ref: str | None) -> int | None:
+    """The checkpoint run ``rid`` was forked from (``parent_id``, ``parent_ref``: its run row's),
+    while the run has no committed checkpoint of its own and that checkpoint still exists. A
+    run keeps the id without a foreign key, and a database may reuse the id of a deleted row,
+    so its ref must match too."""
+    if parent_id is None or not parent_ref:
+        return None
+    if conn.execute(_ANY_COMMITTED, {"run": rid}).first() is not None:
+        return None
+    point = conn.execute(_REF_OF, {"ckpt": parent_id}).first()
+    if point is None or f"{point.name}@{point.step}" != parent_ref:
+        return None
+    return int(parent_id)

@@ -32,6 +32,10 @@ __all__ = [
 ]
 
 _WRITE = "ckstore_write"
+# a write transaction that need not be durable on its own (see write_txn), and the SQLite
+# connection's current ``synchronous`` setting
+_LAZY = "ckstore_lazy"
+_SYNC = "ckstore_synchronous"
 # advisory lock key shared by commits (shared mode) and gc sweeps (exclusive mode)
 GC_LOCK_KEY = 0x636B73746F7265  # "ckstore"
 
@@ -89,12 +93,20 @@ def make_engine(url: str) -> Engine:
                 cur.execute("PRAGMA synchronous=FULL")
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
+                _rec.info[_SYNC] = "FULL"
 
             @event.listens_for(engine, "begin")
             def _on_begin(conn: Connection) -> None:
                 # Writers take the database's write lock up front, so two writers never
                 # deadlock upgrading read locks; readers run beside them under WAL.
-                conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get(_WRITE) else "BEGIN")
+                if not conn.info.get(_WRITE):
+                    conn.exec_driver_sql("BEGIN")
+                    return
+                want = "NORMAL" if conn.info.get(_LAZY) else "FULL"
+                if conn.info.get(_SYNC) != want:  # set outside a transaction, kept by the connection
+                    conn.exec_driver_sql(f"PRAGMA synchronous={want}")
+                    conn.info[_SYNC] = want
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         elif url.startswith("postgresql"):
             given = make_url(url).query
@@ -123,22 +135,36 @@ def _forget_in_forked_children(engine: Engine) -> None:
 
 
 @contextmanager
-def write_txn(engine: Engine, lock: str | None = None) -> Iterator[Connection]:
+def write_txn(engine: Engine, lock: str | None = None, *, durable: bool = True) -> Iterator[Connection]:
     """A write transaction. ``lock`` is ``"shared"`` (commits) or ``"exclusive"`` (gc sweeps).
 
     On SQLite every write transaction already excludes every other writer; on PostgreSQL the
     lock is a transaction-scoped advisory lock.
+
+    ``durable=False``: the transaction is atomic and visible to every reader at once, but its
+    COMMIT does not wait for the disk (SQLite's ``synchronous=NORMAL`` in WAL mode, PostgreSQL's
+    ``synchronous_commit=off`` for this transaction): a power loss or operating-system crash
+    may lose it, a process crash cannot. The next durable transaction makes it durable too,
+    since both write-ahead logs are flushed in order. A commit's earlier steps (pending row,
+    claim, chunk rows) are such transactions: losing them leaves garbage, never a visible
+    checkpoint, and the commit's final, durable transaction flushes them with it.
     """
+    pg = engine.dialect.name == "postgresql"
     with engine.connect() as conn:
         conn.info[_WRITE] = True
+        conn.info[_LAZY] = not durable
         try:
             with conn.begin():
-                if lock and engine.dialect.name == "postgresql":
+                if pg and (lock or not durable):  # one round trip for both
                     fn = "pg_advisory_xact_lock_shared" if lock == "shared" else "pg_advisory_xact_lock"
-                    conn.execute(text(f"SELECT {fn}(:k)"), {"k": GC_LOCK_KEY})
+                    calls = [f"{fn}(:k)"] if lock else []
+                    if not durable:
+                        calls.append("set_config('synchronous_commit', 'off', true)")
+                    conn.execute(text(f"SELECT {', '.join(calls)}"), {"k": GC_LOCK_KEY} if lock else {})
                 yield conn
         finally:
             conn.info.pop(_WRITE, None)
+            conn.info.pop(_LAZY, None)
 
 
 def migrations_dir() -> Path:

@@ -81,19 +81,25 @@ _IDENT = (
 )
 
 
+def read_facts(conn: Connection, ckpt_id: int) -> RecordFacts:
+    """:meth:`RecordsMixin.record_facts` inside a transaction of the caller's."""
+    row = conn.execute(_FACTS, {"ckpt": ckpt_id}).one()
+    parent = _ident(conn, row.parent_checkpoint_id)
+    chunks = conn.execute(_CHUNKS_OF, {"ckpt": ckpt_id}).all()
+    return RecordFacts(
+        row.run_name, int(row.step), row.kind, aware(row.created_at), aware(row.run_created),
+        row.world_layout, parent,
+        # rows as the driver gave them (bytes, str and ints on both dialects): one per chunk
+        tuple(tuple(c) for c in chunks),
+    )  # fmt: skip
+
+
 class RecordsMixin(QueriesMixin):
     # -- writing records ------------------------------------------------------------------------
     def record_facts(self, ckpt_id: int) -> RecordFacts:
         """Run, step, times, layout, parent and chunk locations of checkpoint ``ckpt_id``."""
         with self._read() as conn:
-            row = conn.execute(_FACTS, {"ckpt": ckpt_id}).one()
-            parent = _ident(conn, row.parent_checkpoint_id)
-            chunks = conn.execute(_CHUNKS_OF, {"ckpt": ckpt_id}).all()
-        return RecordFacts(
-            row.run_name, int(row.step), row.kind, aware(row.created_at), aware(row.run_created),
-            row.world_layout, parent,
-            tuple((bytes(c.digest), c.key, int(c.offset), int(c.length), int(c.raw_size), int(c.codec)) for c in chunks),
-        )  # fmt: skip
+            return read_facts(conn, ckpt_id)
 
     def identity(self, ckpt_id: int) -> tuple[Ident, datetime] | None:
         """A checkpoint's identity and its run's creation time (None: no such row)."""

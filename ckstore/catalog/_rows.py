@@ -26,6 +26,7 @@ from ._schema import (
 
 __all__ = [
     "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH", "RUN_ID",
+    "RUN_ORIGIN",
     "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
     "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
@@ -60,6 +61,8 @@ def no_such_run(name: str) -> NotFoundError:
 
 #: statements built once: building one costs more than running it on the catalogs' hot paths
 RUN_ID = select(RUNS.c.id).where(RUNS.c.name == bindparam("name"))
+#: a run's id and the checkpoint it was forked from
+RUN_ORIGIN = select(RUNS.c.id, RUNS.c.parent_checkpoint_id, RUNS.c.parent_ref).where(RUNS.c.name == bindparam("name"))
 
 
 def run_id(conn: Connection, name: str) -> int:

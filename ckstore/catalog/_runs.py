@@ -9,13 +9,12 @@ from ..errors import AlreadyExistsError, NotFoundError
 from ..records import Checkpoint, RunInfo
 from ..refs import check_name
 from ._access import CatalogBase
-from ._rows import CHECKPOINTS, RUN_ID, RUNS, TAGS, aware, run_id, utcnow
+from ._rows import CHECKPOINTS, RUN_ID, RUN_ORIGIN, RUNS, TAGS, aware, run_id, utcnow
 from ._schema import COMMITTED
 
 __all__ = ["RunsMixin"]
 
 # statements built once: building one costs more than running it, at every commit
-_ORIGIN = select(RUNS.c.id, RUNS.c.parent_checkpoint_id, RUNS.c.parent_ref).where(RUNS.c.name == bindparam("name"))
 _COMMITTED_IN_RUN = (
     select(func.count())
     .select_from(CHECKPOINTS)
@@ -109,7 +108,7 @@ class RunsMixin(CatalogBase):
     def run_origin(self, name: str) -> tuple[int | None, str | None, int] | None:
         """``(parent_checkpoint_id, parent_ref, committed checkpoints)`` of a run; None if no such run."""
         with self._read() as conn:
-            row = conn.execute(_ORIGIN, {"name": name}).first()
+            row = conn.execute(RUN_ORIGIN, {"name": name}).first()
             if row is None:
                 return None
             n = conn.execute(_COMMITTED_IN_RUN, {"run": row.id}).scalar_one()

@@ -292,6 +292,7 @@ class StagedCommit:
                 self.ckpt_id = catalog.begin_checkpoint(
                     a.run, a.step, kind=a.kind, replace=self.replace, owner=self.owner, world_layout=self.layout,
                     lease_seconds=self.cfg.lease_seconds, parent_checkpoint_id=parent_id,
+                    fork_point=self.parent is not None,
                 )  # fmt: skip
                 self.heartbeat = self.stack.enter_context(
                     Heartbeat(catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
@@ -402,11 +403,13 @@ class StagedCommit:
             packs = [(pack_id, size, _rows(chunks)) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
             written = {pack_id for pack_id, _, _ in packs}
             unused = [pack_id for pack_id in self.registered if pack_id not in written]
-            added = catalog.add_packs(self.ckpt_id, self.owner, packs, unused=unused) if packs or unused else 0
+            added, facts = 0, None
+            if packs or unused:  # with what the checkpoint's record needs from the catalog
+                added, facts = catalog.record_packs(self.ckpt_id, self.owner, packs, unused=unused)
             crash_point("pack.chunks_recorded")
             manifests = [m for _, ms in self.results for m in ms]
             # the checkpoint's record in the blob store, durable before the checkpoint is visible
-            when = write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added)
+            when = write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added, facts)
             ckpt = catalog.finish_checkpoint(
                 self.ckpt_id, self.owner, entries=manifests, metrics=self.args.metrics, tags=self.args.tags,
                 logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=added, replace=self.replace,

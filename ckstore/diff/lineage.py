@@ -91,17 +91,15 @@ def lineage(store: StoreView, run: str) -> list[Ancestor]:
 
 
 def commit_parent(store: StoreView, parent: str | int | None, run: str) -> int | None:
-    """The parent checkpoint id a commit into ``run`` records.
+    """The parent checkpoint id a commit into ``run`` records when it names a ``parent``; None
+    when it names none (the catalog then records a forked run's fork point as the parent of the
+    run's first commit: ``begin_checkpoint(fork_point=True)``).
 
-    With no ``parent``, a forked run's first commit descends from its fork point. A first
-    commit naming a parent in another run records that checkpoint as the run's origin too.
+    A first commit naming a parent in another run records that checkpoint as the run's origin too.
     """
-    origin = store.catalog.run_origin(run)
     if parent is None:
-        if origin is None or origin[2]:
-            return None
-        point = _fork_point(store, origin[0], origin[1])
-        return None if point is None else int(point.id)
+        return None
+    origin = store.catalog.run_origin(run)
     ckpt = store.resolve(parent)
     if ckpt.run != run and (origin is None or (origin[1] is None and not origin[2])):
         store.catalog.ensure_run(run, parent_checkpoint_id=ckpt.id, parent_ref=ckpt.ref)

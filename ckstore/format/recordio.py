@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..blobstore import BlobStore
-from ..catalog import Catalog, utcnow
+from ..catalog import Catalog, RecordFacts, utcnow
 from ..errors import CheckpointNotFoundError
 from ..layout import WorldLayout
 from ..records import Checkpoint
@@ -32,13 +32,15 @@ def write_checkpoint_record(
     tags: Sequence[str],
     entries: Sequence[tuple[int, str, bytes, int]],
     stored_bytes_added: int,
+    facts: RecordFacts | None = None,
 ) -> CheckpointRecord:
     """Write pending checkpoint ``ckpt_id``'s record, durably, with now as its commit time; the
-    caller makes the checkpoint visible with that same time (``rec.committed_at``)."""
+    caller makes the checkpoint visible with that same time (``rec.committed_at``). ``facts``:
+    the catalog's facts of it, when the caller read them already (else they are read here)."""
     when = utcnow()
     rec = record_from_catalog(
         catalog, ckpt_id, committed_at=when, metrics=metrics, tags=tags, entries=entries,
-        stored_bytes_added=stored_bytes_added,
+        stored_bytes_added=stored_bytes_added, facts=facts,
     )  # fmt: skip
     blobs.put(rec.key, rec.to_bytes())  # durable before the catalog's finish transaction
     return rec
@@ -53,8 +55,9 @@ def record_from_catalog(
     tags: Sequence[str],
     entries: Sequence[tuple[int, str, bytes, int]],
     stored_bytes_added: int,
+    facts: RecordFacts | None = None,
 ) -> CheckpointRecord:
-    f = catalog.record_facts(ckpt_id)
+    f = facts if facts is not None else catalog.record_facts(ckpt_id)
     return CheckpointRecord(
         ident=Identity(f.run, f.step, f.created_at),
         kind=f.kind,

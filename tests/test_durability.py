@@ -1,0 +1,89 @@
+"""Which catalog transactions of a commit wait for the disk.
+
+A commit's earlier transactions (pending row, claim, chunk rows) commit without waiting for the
+disk; its final transaction, which makes the checkpoint visible, does, and so makes the earlier
+ones durable with it (both SQLite's and PostgreSQL's write-ahead logs are flushed in order).
+Every other write (tags, deletes, gc) waits for the disk as before. These tests ask the database
+itself, from inside each transaction, whether its COMMIT will wait.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conformance import sample_states
+from sqlalchemy import event
+
+import ckstore
+
+# what the database answers inside a transaction whose COMMIT waits for the disk, and one whose does not
+_ASK = {
+    "sqlite": ("PRAGMA synchronous", {2: "waits", 1: "no wait"}),  # FULL, NORMAL
+    "postgresql": ("SHOW synchronous_commit", {"on": "waits", "off": "no wait"}),
+}
+
+# a statement of each transaction a commit runs, in order, and whether its COMMIT waits
+_COMMIT = [
+    ("INSERT INTO checkpoints", "no wait"),  # the pending row
+    ("SELECT chunks.id, chunks.digest", "no wait"),  # the claim, which records the packs too
+    ("INSERT INTO chunks", "no wait"),  # every pack's chunk rows
+    ("UPDATE checkpoints SET status", "waits"),  # visible
+]
+
+
+def _watch(store: ckstore.Store) -> list[tuple[str, str]]:
+    """Record each statement with what the database says of its transaction's COMMIT, asked on
+    the same connection right after the statement ran."""
+    engine = store.catalog.engine
+    ask, answers = _ASK[engine.dialect.name]
+    seen: list[tuple[str, str]] = []
+
+    def after(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.startswith(("PRAGMA", "SHOW", "BEGIN")):
+            return
+        cur = conn.connection.dbapi_connection.cursor()
+        try:
+            cur.execute(ask)
+            seen.append((" ".join(statement.split()), answers[cur.fetchone()[0]]))
+        finally:
+            cur.close()
+
+    event.listen(engine, "after_cursor_execute", after)
+    return seen
+
+
+def _when(seen: list[tuple[str, str]], prefix: str) -> str:
+    found = {how for statement, how in seen if statement.startswith(prefix)}
+    assert len(found) == 1, (prefix, seen)
+    return found.pop()
+
+
+def _check(store: ckstore.Store) -> None:
+    store.commit(1, sample_states(1))  # a first commit: the run exists, the store has chunks
+    seen = _watch(store)
+    store.commit(2, sample_states(2))
+    assert [(prefix, _when(seen, prefix)) for prefix, _ in _COMMIT] == _COMMIT
+    seen.clear()
+    store.tag(2, "best")  # an ordinary write: waits, also on a connection a commit left
+    assert _when(seen, "INSERT INTO tags") == "waits"
+    seen.clear()
+    store.delete(1)
+    assert {how for _, how in seen} == {"waits"}, seen
+    assert [c.step for c in store.checkpoints()] == [2]
+
+
+def test_a_commit_on_sqlite_waits_for_the_disk_only_to_make_its_checkpoint_visible(tmp_path: Path) -> None:
+    with ckstore.open(tmp_path / "store", run="exp", chunk_size=4096, pack_size=65536) as store:
+        _check(store)
+
+
+@pytest.mark.postgres
+def test_a_commit_on_postgresql_waits_for_the_disk_only_to_make_its_checkpoint_visible(
+    tmp_path: Path, pg_catalog_url: str
+) -> None:
+    with ckstore.open(
+        tmp_path / "store", catalog=pg_catalog_url, run="exp", chunk_size=4096, pack_size=65536
+    ) as store:
+        _check(store)
