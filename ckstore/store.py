@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from ._collector import collector_paused
 from .blobstore import BlobStore
 from .catalog import Catalog
 from .config import StoreConfig
@@ -165,10 +166,12 @@ class Store:
             raise StoreConfigError(f"stage must be 'all' or 'changed', got {stage!r}")
         if blocking:
             self.wait()
-            return self.start_commit(
-                step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace, world_layout=world_layout,
-                allow_pickle=allow_pickle, parent=parent, process_group=process_group, progress=progress,
-            ).complete()  # fmt: skip
+            with collector_paused():  # see ckstore._collector
+                return self.start_commit(
+                    step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
+                    world_layout=world_layout, allow_pickle=allow_pickle, parent=parent, process_group=process_group,
+                    progress=progress,
+                ).complete()  # fmt: skip
         if self._async is None:
             from .commit.pending import AsyncCommits
 
@@ -253,6 +256,7 @@ class Store:
             for r, k, m in self.catalog.entries(ckpt.id, ranks=ranks, sub_keys=sub_keys)
         }
 
+    @collector_paused()  # see ckstore._collector
     def load(
         self,
         ckpt: Checkpoint,

@@ -18,7 +18,8 @@ URL_PARSER = ("sqlalchemy.engine", "sqlalchemy.engine.URL", "sqlalchemy.engine.m
 #: one layer do not import each other (commit, diff and maintenance stand side by side), except
 #: the shared values of the first layer
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "layout", "records", "refs", "urls", "config", "_crash", "_threads"),  # values every layer shares; kill points; shared worker threads
+    # values every layer shares; kill points; shared worker threads; the garbage collector's pauses
+    ("errors", "layout", "records", "refs", "urls", "config", "_crash", "_threads", "_collector"),
     ("blobstore", "catalog"),  # bytes under keys; SQL
     ("format",),  # frames, packs, manifests, the tree walker
     ("checkout",),  # shard resolution, read plans, the executor

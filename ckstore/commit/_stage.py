@@ -4,15 +4,13 @@ packs → manifests. No catalog access: the protocol around it (begin, claim, re
 
 from __future__ import annotations
 
-import gc
-import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._collector import collector_paused
 from .._threads import TaskGroup
 from ..checkout.reshard import PieceInfo, resolve_shards
 from ..errors import CkstoreError, UnsupportedValueError
@@ -49,41 +47,6 @@ __all__ = [
 MAX_RANK = 2**31 - 1
 
 
-class _CollectorPause:
-    """Holds off Python's cyclic garbage collector while a commit builds its per-tensor records.
-
-    Flattening, staging and manifest building make a few long-lived objects per tensor (leaves,
-    staged views, records). Left running, the collector scans the whole heap each time the
-    survivors reach a quarter of it: a few full collections, each as slow as the heap is large,
-    per commit of 100,000 tiny tensors (over a third of its time; PyTorch's DCP pauses it for
-    the same reason while it walks state dicts). Pauses nest and may overlap across threads: the
-    collector is enabled again when the last one ends, if it was enabled when the first began.
-    A pause is held only around CPU-bound work whose length grows with the number of tensors,
-    never around I/O.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._resume = False
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if self._depth == 0:
-                self._resume = gc.isenabled()
-                gc.disable()
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0 and self._resume:
-                    gc.enable()
-
-
-_collector_paused = _CollectorPause()
 
 
 @dataclass(slots=True)
@@ -112,7 +75,7 @@ class StagedTensor:
         return self.data[i * chunk_size : (i + 1) * chunk_size]
 
 
-@_collector_paused()
+@collector_paused()
 def prepare_entries(
     rank_states: Mapping[int, Mapping[str, Any]],
     *,
@@ -172,7 +135,7 @@ def resolve_entry_shards(entries: Sequence[PreparedEntry], layout: WorldLayout) 
     return resolve_shards(layout, piece_infos(entries))
 
 
-@_collector_paused()
+@collector_paused()
 def stage(
     entries: Sequence[PreparedEntry],
     staging: StagingBuffer | None = None,
@@ -362,7 +325,7 @@ def write_missing(
         raise
 
 
-@_collector_paused()
+@collector_paused()
 def build_manifests(
     entries: Sequence[PreparedEntry], staged: Sequence[StagedTensor], chunk_size: int
 ) -> list[tuple[int, str, bytes, int]]:
