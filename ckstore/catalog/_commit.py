@@ -18,7 +18,7 @@ from .._crash import crash_point
 from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
-from ._access import DriverStatement
+from ._access import DriverStatement, ListStatement
 from ._owner import Owner, mark_live
 from ._queries import written_record
 from ._records import RecordFacts, read_facts
@@ -75,9 +75,10 @@ _RELEASE_PACKS = update(PACKS).where(PACKS.c.owner_checkpoint_id == _ID).values(
 
 class CommitMixin(RunsMixin):
     @cached_property
-    def _upserts(self) -> tuple[DriverStatement, DriverStatement, Any]:
-        """This dialect's inserts that skip rows already there, built once: chunk rows,
-        references, and a checkpoint's references to chunks by digest."""
+    def _upserts(self) -> tuple[DriverStatement, DriverStatement, ListStatement, ListStatement, ListStatement]:
+        """This dialect's statements of a commit's many-chunk steps, built once: inserts of chunk
+        rows and of references that skip rows already there, a checkpoint's references to
+        chunks by digest, and the chunks found by digest (their ids; their packs and lengths)."""
         refs_by_digest = (
             self._insert(CHUNK_REFS)
             .from_select(
@@ -94,7 +95,9 @@ class CommitMixin(RunsMixin):
                 self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"]), dialect, _CHUNK_COLUMNS
             ),
             DriverStatement(self._insert(CHUNK_REFS).on_conflict_do_nothing(), dialect, ("checkpoint_id", "chunk_id")),
-            refs_by_digest,
+            ListStatement(refs_by_digest, dialect, "digests"),
+            ListStatement(_FOUND, dialect, "digests"),
+            ListStatement(_ADDED, dialect, "digests"),
         )
 
     def begin_checkpoint(
@@ -210,7 +213,7 @@ class CommitMixin(RunsMixin):
         wanted = list(dict.fromkeys(digests))
         found: set[bytes] = set()
         for batch in batches(wanted):
-            rows = conn.execute(_FOUND, {"digests": list(batch)}).all()
+            rows = self._upserts[3].execute(conn, batch).all()
             if rows:
                 self._reference(conn, ckpt_id, [r.id for r in rows])
                 found.update(bytes(r.digest) for r in rows)
@@ -298,17 +301,20 @@ class CommitMixin(RunsMixin):
             )
         # executemany of one cached statement: a multi-row VALUES would be compiled anew for
         # every batch, which costs more than the inserts themselves
-        insert_chunk, _, refs_by_digest = self._upserts
+        insert_chunk, _, refs_by_digest, _, added_by_digest = self._upserts
         for batch in batches(ordered):
-            insert_chunk.executemany(
+            inserted = insert_chunk.executemany(
                 conn, [(c.digest, pack_id, c.offset, c.length, c.raw_size, c.codec) for pack_id, c in batch]
             )
             digests = [c.digest for _, c in batch]
             # reference every chunk of the batch, ours or the row another commit recorded first
-            conn.execute(refs_by_digest, {"ckpt": ckpt_id, "digests": digests})
-            # by digest only: a condition on pack_id leads SQLite's planner to scan the pack's
-            # rows (every earlier batch's) through the pack_id index, once per batch
-            rows = conn.execute(_ADDED, {"digests": digests})
+            refs_by_digest.execute(conn, digests, ckpt=ckpt_id)
+            if inserted == len(batch):  # every row ours: what they add is known
+                added += sum(c.length for _, c in batch)
+                continue
+            # else ask which rows are ours; by digest only: a condition on pack_id leads SQLite's
+            # planner to scan the pack's rows (every earlier batch's) through the pack_id index
+            rows = added_by_digest.execute(conn, digests)
             added += sum(int(r.length) for r in rows if r.pack_id in ours)
         return added
 

@@ -14,6 +14,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, exists, func, select
@@ -22,7 +23,7 @@ from ..errors import CheckpointNotFoundError, CkstoreError, IntegrityError, Inva
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from ..refs import Ref
-from ._access import CatalogBase
+from ._access import CatalogBase, ListStatement
 from ._rows import (
     CHECKPOINTS,
     CHUNKS,
@@ -306,11 +307,15 @@ class QueriesMixin(CatalogBase):
         out: dict[bytes, ChunkLocation] = {}
         with self._read() as conn:
             for batch in batches(wanted):
-                for r in conn.execute(_LOCATIONS, {"digests": list(batch)}):
+                for r in self._locations.execute(conn, batch).all():
                     out[bytes(r.digest)] = ChunkLocation(
                         r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec)
                     )
         return out
+
+    @cached_property
+    def _locations(self) -> ListStatement:
+        return ListStatement(_LOCATIONS, self.engine.dialect, "digests")
 
     def is_empty(self) -> bool:
         """True when the catalog records no run and no pack yet."""
