@@ -1,10 +1,10 @@
 """Python's cyclic garbage collector is paused while a commit or a checkout builds per-tensor
-objects (ckstore/_collector.py), and left as the program had it afterwards."""
+objects (ckstore/_collector.py), and left as the program had it afterwards. (Pauses that nest
+and overlap across threads: tests/test_stage.py.)"""
 
 from __future__ import annotations
 
 import gc
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import ckstore
-from ckstore._collector import collector_paused
 
 # enough tensors that an unpaused commit or checkout collects many times (each makes several
 # objects per tensor; the collector's first generation runs every 700 net allocations)
@@ -76,23 +75,3 @@ def test_a_program_that_disabled_the_collector_keeps_it_disabled(tmp_path: Path)
             assert not gc.isenabled()
     finally:
         gc.enable()
-
-
-def test_pauses_overlapping_across_threads_enable_the_collector_when_the_last_ends() -> None:
-    assert gc.isenabled()
-    first_in, second_in, first_may_leave = threading.Event(), threading.Event(), threading.Event()
-
-    def first() -> None:
-        with collector_paused():
-            first_in.set()
-            first_may_leave.wait()
-
-    t = threading.Thread(target=first)
-    t.start()
-    first_in.wait()
-    with collector_paused():
-        second_in.set()
-        first_may_leave.set()
-        t.join()
-        assert not gc.isenabled()  # the first ended, this one still holds it
-    assert gc.isenabled()

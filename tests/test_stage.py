@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ckstore
+from ckstore import _collector
 from ckstore.commit import _stage
 from ckstore.errors import UnsupportedValueError
 
@@ -48,7 +49,7 @@ def test_flattening_runs_with_the_collector_paused_and_restores_it(collector: No
 
 
 def test_overlapping_pauses_enable_the_collector_when_the_last_ends(collector: None) -> None:
-    pause = _stage._CollectorPause()
+    pause = _collector._CollectorPause()
     inside, release = threading.Event(), threading.Event()
 
     def other() -> None:
