@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ._collector import collector_paused
@@ -206,8 +207,6 @@ class Store:
         """The first phase of :meth:`commit` in this thread (checked, flattened, staged); the
         returned :class:`~ckstore.commit.protocol.StagedCommit` runs the rest. For integrations
         that drive the phases themselves (DCP's storage writer)."""
-        from functools import partial
-
         from .commit import protocol
         from .diff.lineage import commit_parent
 
@@ -310,9 +309,12 @@ class Store:
                 progress(done[0], total)
 
         accel = dev if dev is not None and dev.type != "cpu" else None
+        locate = self.catalog.chunk_locations
+        if rank_list is None and sub_keys is None:  # every chunk of the checkpoint: one query
+            locate = partial(self.catalog.chunk_locations, checkpoint_id=ckpt.id)
         try:
             tensors = execute_plan(
-                plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers, progress=tick,
+                plan, self.blobs, locate, where=where, workers=self.workers, progress=tick,
                 pin_memory=accel is not None and accel.type == "cuda",
             )  # fmt: skip
         except ChunkNotFoundError as e:
@@ -531,8 +533,6 @@ class Store:
         are sent, as stored, each verified against its digest. Resumable: copying again skips
         what arrived. ``progress(bytes_sent, bytes_to_send, bytes_skipped)``; see
         :mod:`ckstore.maintenance.copy`."""
-        from functools import partial
-
         from .commit.frames import commit_frames
         from .commit.protocol import CommitContext
         from .maintenance.copy import copy_checkpoints

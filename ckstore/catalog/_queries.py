@@ -26,6 +26,7 @@ from ..refs import Ref
 from ._access import CatalogBase, ListStatement
 from ._rows import (
     CHECKPOINTS,
+    CHUNK_REFS,
     CHUNKS,
     ENTRIES,
     METRICS,
@@ -117,6 +118,13 @@ _LOCATIONS = (
     select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
     .select_from(CHUNKS.join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
     .where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
+)
+_LOCATIONS_OF = (
+    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+    .select_from(
+        CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(PACKS, PACKS.c.id == CHUNKS.c.pack_id)
+    )
+    .where(CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"))
 )
 _ENTRIES = (
     select(ENTRIES.c.rank, ENTRIES.c.sub_key, ENTRIES.c.manifest)
@@ -302,10 +310,25 @@ class QueriesMixin(CatalogBase):
                 q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
             return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in conn.execute(q, {"ckpt": ckpt_id})]
 
-    def chunk_locations(self, digests: Iterable[bytes]) -> dict[bytes, ChunkLocation]:
+    def chunk_locations(
+        self, digests: Iterable[bytes], *, checkpoint_id: int | None = None
+    ) -> dict[bytes, ChunkLocation]:
+        """Where each chunk of ``digests`` is stored (a digest the catalog lacks is left out).
+
+        ``checkpoint_id``: most of the digests are chunks of that checkpoint (a checkout of all
+        of it): its chunks' locations are read in one query, through its references, and only
+        the digests it does not reference are looked up by digest, a batch at a time.
+        """
         wanted = list(dict.fromkeys(digests))
         out: dict[bytes, ChunkLocation] = {}
         with self._read() as conn:
+            if checkpoint_id is not None:
+                want = set(wanted)
+                for r in conn.execute(_LOCATIONS_OF, {"ckpt": checkpoint_id}).all():
+                    d = bytes(r.digest)
+                    if d in want:
+                        out[d] = ChunkLocation(r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec))
+                wanted = [d for d in wanted if d not in out]
             for batch in batches(wanted):
                 for r in self._locations.execute(conn, batch).all():
                     out[bytes(r.digest)] = ChunkLocation(
