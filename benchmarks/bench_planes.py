@@ -64,7 +64,9 @@ def merge_words(planes: list[np.ndarray], dst: np.ndarray, itemsize: int) -> Non
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -79,14 +81,36 @@ def main() -> None:
             for j in range(k):
                 dst[j::k] = planes[j]
 
-        rows.append([f"numpy strided copies, split ({k}-byte elements)", gbs(timed(lambda k=k: [np.ascontiguousarray(a[j::k]) for j in range(k)], args.calls))])
-        rows.append([f"numpy strided copies, merge ({k}-byte elements)", gbs(timed(merge_strided, args.calls))])
+        rows.append(
+            [
+                f"numpy strided copies, split ({k}-byte elements)",
+                gbs(
+                    timed(lambda k=k: [np.ascontiguousarray(a[j::k]) for j in range(k)], args.calls)
+                ),
+            ]
+        )
+        rows.append(
+            [
+                f"numpy strided copies, merge ({k}-byte elements)",
+                gbs(timed(merge_strided, args.calls)),
+            ]
+        )
         if k in (2, 4):
             assert all(np.array_equal(x, y) for x, y in zip(split_words(a, k), planes))
             merge_words(planes, dst, k)
             assert np.array_equal(dst, a)
-            rows.append([f"{8 * k}-bit words, split ({k}-byte elements)", gbs(timed(lambda k=k: split_words(a, k), args.calls))])
-            rows.append([f"{8 * k}-bit words, merge ({k}-byte elements)", gbs(timed(lambda p=planes, k=k: merge_words(p, dst, k), args.calls))])
+            rows.append(
+                [
+                    f"{8 * k}-bit words, split ({k}-byte elements)",
+                    gbs(timed(lambda k=k: split_words(a, k), args.calls)),
+                ]
+            )
+            rows.append(
+                [
+                    f"{8 * k}-bit words, merge ({k}-byte elements)",
+                    gbs(timed(lambda p=planes, k=k: merge_words(p, dst, k), args.calls)),
+                ]
+            )
     try:
         from numcodecs import Shuffle
     except ImportError:
@@ -94,8 +118,18 @@ def main() -> None:
     else:
         sh = Shuffle(elementsize=4)
         enc = sh.encode(a)
-        rows.append(["numcodecs Shuffle, encode (4-byte elements)", gbs(timed(lambda: sh.encode(a), args.calls))])
-        rows.append(["numcodecs Shuffle, decode (4-byte elements)", gbs(timed(lambda: sh.decode(enc, out=dst), args.calls))])
+        rows.append(
+            [
+                "numcodecs Shuffle, encode (4-byte elements)",
+                gbs(timed(lambda: sh.encode(a), args.calls)),
+            ]
+        )
+        rows.append(
+            [
+                "numcodecs Shuffle, decode (4-byte elements)",
+                gbs(timed(lambda: sh.decode(enc, out=dst), args.calls)),
+            ]
+        )
     rows.append(["memcpy, for scale", gbs(timed(lambda: np.copyto(dst, a), args.calls))])
     print("### Splitting and merging the byte planes of a 4 MiB chunk (one thread)\n")
     print(table(["operation", "GB/s"], rows))
