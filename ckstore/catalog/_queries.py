@@ -213,27 +213,30 @@ def _build(
     )
 
 
+# the refs resolved most often, built once (a metric's best is built per call)
+_REF_BASE = (
+    select(CHECKPOINTS.c.id, RUNS.c.name)
+    .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+    .where(CHECKPOINTS.c.status == COMMITTED)
+)
+_IN_RUN = RUNS.c.name == bindparam("run")
+_LATEST_IN_RUN = _REF_BASE.where(_IN_RUN).order_by(CHECKPOINTS.c.step.desc(), CHECKPOINTS.c.committed_at.desc()).limit(1)
+_LATEST = _REF_BASE.order_by(CHECKPOINTS.c.committed_at.desc(), CHECKPOINTS.c.id.desc()).limit(1)
+_STEP = _REF_BASE.where(CHECKPOINTS.c.step == bindparam("step")).limit(2)
+_STEP_IN_RUN = _STEP.where(_IN_RUN)
+_TAG = _REF_BASE.join(TAGS, TAGS.c.checkpoint_id == CHECKPOINTS.c.id).where(TAGS.c.name == bindparam("tag")).limit(2)
+_TAG_IN_RUN = _TAG.where(_IN_RUN)
+
+
 def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
     """The id of the committed checkpoint ``ref`` names, within ``run`` when given."""
-    q = (
-        select(CHECKPOINTS.c.id, RUNS.c.name)
-        .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
-        .where(CHECKPOINTS.c.status == COMMITTED)
-    )
-    if run is not None:
-        q = q.where(RUNS.c.name == run)
     where = f" in run {run!r}" if run else ""
     if ref.kind == "latest":
-        order = (
-            (CHECKPOINTS.c.step.desc(), CHECKPOINTS.c.committed_at.desc())
-            if run
-            else (CHECKPOINTS.c.committed_at.desc(), CHECKPOINTS.c.id.desc())
-        )
-        row = conn.execute(q.order_by(*order).limit(1)).first()
+        row = conn.execute(_LATEST if run is None else _LATEST_IN_RUN, {"run": run}).first()
         if row is None:
             raise CheckpointNotFoundError(f"no committed checkpoint{where} yet")
     elif ref.kind == "step":
-        rows = conn.execute(q.where(CHECKPOINTS.c.step == ref.value).limit(2)).all()
+        rows = conn.execute(_STEP if run is None else _STEP_IN_RUN, {"run": run, "step": ref.value}).all()
         if not rows:
             raise CheckpointNotFoundError(f"no committed checkpoint at step {ref.value}{where} (see `ckstore log`)")
         if len(rows) > 1:
@@ -243,9 +246,7 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
             )
         row = rows[0]
     elif ref.kind == "tag":
-        rows = conn.execute(
-            q.join(TAGS, TAGS.c.checkpoint_id == CHECKPOINTS.c.id).where(TAGS.c.name == ref.value).limit(2)
-        ).all()
+        rows = conn.execute(_TAG if run is None else _TAG_IN_RUN, {"run": run, "tag": ref.value}).all()
         if not rows:
             raise CheckpointNotFoundError(f"no checkpoint tagged {ref.value!r}{where} (see `ckstore log`)")
         if len(rows) > 1:
@@ -255,6 +256,7 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
             )
         row = rows[0]
     else:
+        q = _REF_BASE if run is None else _REF_BASE.where(RUNS.c.name == run)
         value = METRICS.c.value.asc() if ref.kind == "min" else METRICS.c.value.desc()
         ranked = [METRICS.c.name == ref.value, METRICS.c.value.is_not(None)]
         if conn.dialect.name == "sqlite":  # a damaged value stored as text ranks like a missing one
