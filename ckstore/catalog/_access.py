@@ -55,8 +55,10 @@ class ListStatement:
     SQLAlchemy renders an expanding parameter anew at every call (a commit of 20,000 chunks runs
     such statements with 500 digests 120 times); rendered once, a call only binds the values.
     Values and results must need no type conversion (ints, bytes and strings on both
-    dialects). Lengths seen are kept: callers pass lists of at most one batch (500).
+    dialects). Up to :attr:`KEPT` lengths are kept (a commit's batches are full but its last).
     """
+
+    KEPT = 64
 
     def __init__(self, stmt: Any, dialect: Any, name: str) -> None:
         self.name = name
@@ -70,7 +72,9 @@ class ListStatement:
         if rendered is None:
             state = self._compiled.construct_expanded_state({self.name: [None] * n, **dict.fromkeys(self._scalars)})
             order = state.positiontup
-            rendered = self._rendered[n] = (state.statement, None if order is None else tuple(order))
+            rendered = (state.statement, None if order is None else tuple(order))
+            if len(self._rendered) < self.KEPT:
+                self._rendered[n] = rendered
         sql, order = rendered
         named = {f"{self.name}_{i}": v for i, v in enumerate(values, 1)}
         named.update(scalars)
