@@ -100,6 +100,18 @@ class CommitMixin(RunsMixin):
             ListStatement(_ADDED, dialect, "digests"),
         )
 
+    @cached_property
+    def _refs_by_pack(self) -> Any:
+        """This dialect's insert of a checkpoint's references to every chunk of one pack."""
+        return (
+            self._insert(CHUNK_REFS)
+            .from_select(
+                ["checkpoint_id", "chunk_id"],
+                select(bindparam("ckpt", type_=Integer), CHUNKS.c.id).where(CHUNKS.c.pack_id == bindparam("pack")),
+            )
+            .on_conflict_do_nothing()
+        )
+
     def begin_checkpoint(
         self,
         run: str,
@@ -306,16 +318,21 @@ class CommitMixin(RunsMixin):
             inserted = insert_chunk.executemany(
                 conn, [(c.digest, pack_id, c.offset, c.length, c.raw_size, c.codec) for pack_id, c in batch]
             )
-            digests = [c.digest for _, c in batch]
-            # reference every chunk of the batch, ours or the row another commit recorded first
-            refs_by_digest.execute(conn, digests, ckpt=ckpt_id)
-            if inserted == len(batch):  # every row ours: what they add is known
-                added += sum(c.length for _, c in batch)
+            if inserted == len(batch):  # every row ours: what they add is known, and their
+                added += sum(c.length for _, c in batch)  # references go in by pack, below
                 continue
-            # else ask which rows are ours; by digest only: a condition on pack_id leads SQLite's
-            # planner to scan the pack's rows (every earlier batch's) through the pack_id index
+            # some rows another commit recorded first: reference the batch's chunks by digest,
+            # wherever they were recorded, and ask which rows are ours (by digest only: a
+            # condition on pack_id leads SQLite's planner to scan the pack's earlier rows)
+            digests = [c.digest for _, c in batch]
+            refs_by_digest.execute(conn, digests, ckpt=ckpt_id)
             rows = added_by_digest.execute(conn, digests)
             added += sum(int(r.length) for r in rows if r.pack_id in ours)
+        # every chunk row in our packs is one this commit inserted: reference them all, a pack
+        # at a time (a reference already there is kept)
+        for pack_id, _, chunks in packs:
+            if chunks:
+                conn.execute(self._refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
         return added
 
     def finish_checkpoint(
