@@ -216,6 +216,10 @@ def main() -> None:
     )
     ap.add_argument("--no-e2e", action="store_true")
     args = ap.parse_args()
+    if args.checkpoints < RUNS or args.checkpoints % RUNS:
+        ap.error(
+            f"--checkpoints must be a positive multiple of {RUNS} (the checkpoints are spread evenly over {RUNS} runs)"
+        )
     rows = [bench_catalog(b, args.checkpoints, args.pg) for b in args.backends.split(",") if b]
     cols = ["backend", "checkpoints", "chunk_refs", "chunks", "packs", "fill_s", "keep_all_gc_s", "dry_run_s", "gc_s", "dropped",
             "chunks_freed", "packs_trashed", "refs_left", "second_gc_s", "du_s"]  # fmt: skip
