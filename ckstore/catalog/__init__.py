@@ -8,12 +8,16 @@ ckstore calls :class:`Catalog`'s named methods.
 Call order of a commit (one process, or rank 0 of a distributed commit)::
 
     begin_checkpoint  →  claim_and_register  →  (every rank writes its packs)
-                      →  add_packs  →  finish_checkpoint      (or abort_checkpoint on failure)
+                      →  record_packs  →  (the record is written)  →  finish_checkpoint
+                                                           (or abort_checkpoint on failure)
 
 ``claim_and_register`` references the chunks the catalog has and, in the same transaction,
-records every pack the commit may write (an upper bound: ``add_packs`` drops the rows of those
-left unwritten). Commits that stream their chunks (DCP's storage writer, imports) record each
-pack as they go: ``claim_chunks`` → (``register_pack`` → write the pack → ``add_chunks``)*.
+records every pack the commit may write (an upper bound: ``record_packs`` drops the rows of
+those left unwritten, and returns what the checkpoint's record needs). Commits that stream their
+chunks (DCP's storage writer, imports) record each pack as they go: ``claim_chunks`` →
+(``register_pack`` → write the pack → ``add_chunks``)*. Only ``finish_checkpoint`` waits for
+the disk; the transactions before it do not, and it makes them durable with it (see
+``write_txn`` in ``_engine``).
 
 ``heartbeat`` may be called from another thread at any time in between. Every method is safe to
 call from many processes at once; ``docs/format.md`` explains why garbage collection running at
