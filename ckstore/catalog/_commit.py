@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from typing import Any
@@ -75,42 +76,8 @@ _RELEASE_PACKS = update(PACKS).where(PACKS.c.owner_checkpoint_id == _ID).values(
 
 class CommitMixin(RunsMixin):
     @cached_property
-    def _upserts(self) -> tuple[DriverStatement, DriverStatement, ListStatement, ListStatement, ListStatement]:
-        """This dialect's statements of a commit's many-chunk steps, built once: inserts of chunk
-        rows and of references that skip rows already there, a checkpoint's references to
-        chunks by digest, and the chunks found by digest (their ids; their packs and lengths)."""
-        refs_by_digest = (
-            self._insert(CHUNK_REFS)
-            .from_select(
-                ["checkpoint_id", "chunk_id"],
-                select(bindparam("ckpt", type_=Integer), CHUNKS.c.id).where(
-                    CHUNKS.c.digest.in_(bindparam("digests", expanding=True))
-                ),
-            )
-            .on_conflict_do_nothing()
-        )
-        dialect = self.engine.dialect
-        return (
-            DriverStatement(
-                self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"]), dialect, _CHUNK_COLUMNS
-            ),
-            DriverStatement(self._insert(CHUNK_REFS).on_conflict_do_nothing(), dialect, ("checkpoint_id", "chunk_id")),
-            ListStatement(refs_by_digest, dialect, "digests"),
-            ListStatement(_FOUND, dialect, "digests"),
-            ListStatement(_ADDED, dialect, "digests"),
-        )
-
-    @cached_property
-    def _refs_by_pack(self) -> Any:
-        """This dialect's insert of a checkpoint's references to every chunk of one pack."""
-        return (
-            self._insert(CHUNK_REFS)
-            .from_select(
-                ["checkpoint_id", "chunk_id"],
-                select(bindparam("ckpt", type_=Integer), CHUNKS.c.id).where(CHUNKS.c.pack_id == bindparam("pack")),
-            )
-            .on_conflict_do_nothing()
-        )
+    def _chunk_statements(self) -> _ChunkStatements:
+        return _ChunkStatements.build(self._insert, self.engine.dialect)
 
     def begin_checkpoint(
         self,
@@ -225,7 +192,7 @@ class CommitMixin(RunsMixin):
         wanted = list(dict.fromkeys(digests))
         found: set[bytes] = set()
         for batch in batches(wanted):
-            rows = self._upserts[3].execute(conn, batch).all()
+            rows = self._chunk_statements.found.execute(conn, batch).all()
             if rows:
                 self._reference(conn, ckpt_id, [r.id for r in rows])
                 found.update(bytes(r.digest) for r in rows)
@@ -234,7 +201,7 @@ class CommitMixin(RunsMixin):
     def _reference(self, conn: Connection, ckpt_id: int, chunk_ids: Sequence[int]) -> None:
         """Reference chunks from a checkpoint (a reference already there is kept)."""
         if chunk_ids:
-            self._upserts[1].executemany(conn, [(ckpt_id, i) for i in chunk_ids])
+            self._chunk_statements.insert_refs.executemany(conn, [(ckpt_id, i) for i in chunk_ids])
 
     def register_pack(self, ckpt_id: int, owner: Owner, key: str) -> int:
         """Record a pack before its object is written, owned by the pending checkpoint."""
@@ -256,23 +223,11 @@ class CommitMixin(RunsMixin):
 
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
-        (a chunk another commit recorded first is referenced there instead)."""
-        return self.add_packs(ckpt_id, owner, [(pack_id, pack_size, chunks)])
-
-    def add_packs(
-        self,
-        ckpt_id: int,
-        owner: Owner,
-        packs: Sequence[tuple[int, int, Sequence[NewChunk]]],
-        *,
-        unused: Sequence[int] = (),
-    ) -> int:
-        """:meth:`add_chunks` for many written packs ``(pack_id, pack_size, chunks)`` in one
-        transaction (a commit records all its packs at once, once every rank wrote its own);
-        ``unused``: packs registered for the commit and never written, whose rows go."""
+        (a chunk another commit recorded first is referenced there instead). For commits that
+        stream their packs; a commit that records all its packs at once uses :meth:`record_packs`."""
         with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
-            return self._add_packs(conn, ckpt_id, packs, unused)
+            return self._add_packs(conn, ckpt_id, [(pack_id, pack_size, chunks)], ())
 
     def record_packs(
         self,
@@ -282,8 +237,11 @@ class CommitMixin(RunsMixin):
         *,
         unused: Sequence[int] = (),
     ) -> tuple[int, RecordFacts]:
-        """:meth:`add_packs`, and in the same transaction what the checkpoint's record needs
-        (:meth:`record_facts`, chunk locations included): ``(stored bytes added, facts)``."""
+        """Record every written pack ``(pack_id, pack_size, chunks)`` of a commit in one transaction,
+        once every rank wrote its own, as :meth:`add_chunks` does one; ``unused``: packs registered
+        for the commit and never written, whose rows go. In the same transaction, read what the
+        checkpoint's record needs (:meth:`record_facts`, chunk locations included). Returns
+        ``(stored bytes added, facts)``."""
         with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
             added = self._add_packs(conn, ckpt_id, packs, unused)
@@ -313,9 +271,9 @@ class CommitMixin(RunsMixin):
             )
         # executemany of one cached statement: a multi-row VALUES would be compiled anew for
         # every batch, which costs more than the inserts themselves
-        insert_chunk, _, refs_by_digest, _, added_by_digest = self._upserts
+        st = self._chunk_statements
         for batch in batches(ordered):
-            inserted = insert_chunk.executemany(
+            inserted = st.insert_chunks.executemany(
                 conn, [(c.digest, pack_id, c.offset, c.length, c.raw_size, c.codec) for pack_id, c in batch]
             )
             if inserted == len(batch):  # every row ours: what they add is known, and their
@@ -325,14 +283,14 @@ class CommitMixin(RunsMixin):
             # wherever they were recorded, and ask which rows are ours (by digest only: a
             # condition on pack_id leads SQLite's planner to scan the pack's earlier rows)
             digests = [c.digest for _, c in batch]
-            refs_by_digest.execute(conn, digests, ckpt=ckpt_id)
-            rows = added_by_digest.execute(conn, digests)
+            st.refs_by_digest.execute(conn, digests, ckpt=ckpt_id)
+            rows = st.added.execute(conn, digests)
             added += sum(int(r.length) for r in rows if r.pack_id in ours)
         # every chunk row in our packs is one this commit inserted: reference them all, a pack
         # at a time (a reference already there is kept)
         for pack_id, _, chunks in packs:
             if chunks:
-                conn.execute(self._refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
+                conn.execute(st.refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
         return added
 
     def finish_checkpoint(
@@ -430,3 +388,32 @@ def _fork_point(conn: Connection, rid: int, parent_id: int | None, parent_ref: s
     if point is None or f"{point.name}@{point.step}" != parent_ref:
         return None
     return int(parent_id)
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkStatements:
+    """A dialect's statements of a commit's many-chunk steps, built once per catalog (see
+    ``DriverStatement`` and ``ListStatement``): inserts that skip rows already there, and
+    lookups by a list of digests."""
+
+    insert_chunks: DriverStatement  # rows of _CHUNK_COLUMNS
+    insert_refs: DriverStatement  # rows of (checkpoint_id, chunk_id)
+    refs_by_digest: ListStatement  # a checkpoint's references to the chunks of these digests
+    refs_by_pack: Any  # a checkpoint's references to every chunk of one pack
+    found: ListStatement  # id and digest of the chunks of these digests
+    added: ListStatement  # pack and length of the chunks of these digests
+
+    @classmethod
+    def build(cls, insert: Callable[[Any], Any], dialect: Any) -> _ChunkStatements:
+        def refs_where(condition: Any) -> Any:
+            chosen = select(bindparam("ckpt", type_=Integer), CHUNKS.c.id).where(condition)
+            return insert(CHUNK_REFS).from_select(["checkpoint_id", "chunk_id"], chosen).on_conflict_do_nothing()
+
+        return cls(
+            DriverStatement(insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"]), dialect, _CHUNK_COLUMNS),
+            DriverStatement(insert(CHUNK_REFS).on_conflict_do_nothing(), dialect, ("checkpoint_id", "chunk_id")),
+            ListStatement(refs_where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True))), dialect, "digests"),
+            refs_where(CHUNKS.c.pack_id == bindparam("pack")),
+            ListStatement(_FOUND, dialect, "digests"),
+            ListStatement(_ADDED, dialect, "digests"),
+        )
