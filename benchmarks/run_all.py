@@ -29,6 +29,10 @@ from urllib.parse import urlsplit
 
 HERE = Path(__file__).resolve().parent
 NOT_SCRIPTS = {"common.py", "run_all.py"}
+#: scripts that need arguments only their user can give, left out with this note
+BY_HAND = {
+    "bench_revisions.py": "compares git revisions: run it by hand with --rev A --rev B",
+}
 
 # script: (full arguments, --quick arguments), in the order they run
 SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
@@ -47,6 +51,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "bench_diff.py": ([], ["--tensors", "4", "--mib", "2"]),
     "delta_codec.py": ([], ["--base", "3", "--distances", "1,2"]),
     "bench_planes.py": ([], ["--calls", "3"]),
+    "bench_cli.py": ([], ["--rounds", "1"]),
     "gpu_check.py": (["--gib", "4"], ["--gib", "0.25"]),
 }
 
@@ -89,6 +94,11 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, list[str]]], list[st
     runs, notes = [], []
     for name in order:
         if (pick is not None and name not in pick) or name in skip:
+            continue
+        if name in BY_HAND:
+            if pick is not None:
+                raise SystemExit(f"{name} {BY_HAND[name]}")
+            notes.append(f"{name}: left out, it {BY_HAND[name]}")
             continue
         full, quick = SCRIPTS.get(name, ([], []))
         argv = list(quick if args.quick else full)
