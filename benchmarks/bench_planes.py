@@ -2,7 +2,8 @@
 
 The byte-plane codec (``ckstore.format.codec``) stores byte ``j`` of every element together.
 This compares, on one thread and a 4 MiB chunk, numpy's strided copies (what ckstore uses for
-4- and 8-byte elements), casts and shifts on 16- and 32-bit words (what it uses for 2-byte
+4- and 8-byte elements), casts and shifts on 16- and 32-bit words, either through full-size
+casts or with shifts written straight into place (the latter is what ckstore uses for 2-byte
 elements), numcodecs' ``Shuffle`` when installed (same byte layout), and ``memcpy`` for scale;
 then ckstore's own ``encode`` and ``decode_into`` on fp32 and bf16 data. Each figure is the
 median of ``--calls`` timed calls.
@@ -63,6 +64,33 @@ def merge_words(planes: list[np.ndarray], dst: np.ndarray, itemsize: int) -> Non
         np.bitwise_or(w, planes[j], out=w, casting="unsafe")
 
 
+def split_shifts(a: np.ndarray, itemsize: int) -> list[np.ndarray]:
+    """Planes by shifts of words written straight into each plane (the cast in numpy's small
+    buffers, no full-size temporary): ckstore's split for 2-byte elements."""
+    w = a.view(words(itemsize))
+    out = []
+    for j in range(itemsize):
+        p = np.empty(w.size, dtype=np.uint8)
+        np.right_shift(w, 8 * j, out=p, casting="unsafe")
+        out.append(p)
+    return out
+
+
+def merge_shifts(planes: list[np.ndarray], dst: np.ndarray, itemsize: int) -> None:
+    """Interleave by shifting each plane into place as words and or'ing: ckstore's merge for
+    2-byte elements (wider elements need a word-sized temporary per plane)."""
+    wt = np.dtype(words(itemsize))
+    w = dst.view(wt)
+    np.left_shift(planes[-1], 8 * (itemsize - 1), out=w, dtype=wt)
+    tmp = np.empty(w.size, dtype=wt) if itemsize > 2 else None
+    for j in range(itemsize - 2, -1, -1):
+        if tmp is None:
+            np.bitwise_or(w, planes[j], out=w, dtype=wt)
+        else:
+            np.left_shift(planes[j], 8 * j, out=tmp, dtype=wt)
+            np.bitwise_or(w, tmp, out=w)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -97,18 +125,34 @@ def main() -> None:
         )
         if k in (2, 4):
             assert all(np.array_equal(x, y) for x, y in zip(split_words(a, k), planes))
+            assert all(np.array_equal(x, y) for x, y in zip(split_shifts(a, k), planes))
             merge_words(planes, dst, k)
+            assert np.array_equal(dst, a)
+            dst[:] = 0
+            merge_shifts(planes, dst, k)
             assert np.array_equal(dst, a)
             rows.append(
                 [
-                    f"{8 * k}-bit words, split ({k}-byte elements)",
+                    f"{8 * k}-bit words, casts, split ({k}-byte elements)",
                     gbs(timed(lambda k=k: split_words(a, k), args.calls)),
                 ]
             )
             rows.append(
                 [
-                    f"{8 * k}-bit words, merge ({k}-byte elements)",
+                    f"{8 * k}-bit words, casts, merge ({k}-byte elements)",
                     gbs(timed(lambda p=planes, k=k: merge_words(p, dst, k), args.calls)),
+                ]
+            )
+            rows.append(
+                [
+                    f"{8 * k}-bit words, shifts into place, split ({k}-byte elements)",
+                    gbs(timed(lambda k=k: split_shifts(a, k), args.calls)),
+                ]
+            )
+            rows.append(
+                [
+                    f"{8 * k}-bit words, shifts into place, merge ({k}-byte elements)",
+                    gbs(timed(lambda p=planes, k=k: merge_shifts(p, dst, k), args.calls)),
                 ]
             )
     try:

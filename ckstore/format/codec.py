@@ -297,22 +297,29 @@ def _planes_into(body: memoryview, out: memoryview, itemsize: int, mask: int) ->
 def _split(a: np.ndarray, itemsize: int) -> list[np.ndarray]:
     """The byte planes of ``a`` (``a[j::itemsize]`` for each j), contiguous.
 
-    Two-byte elements (bf16, fp16, int16) are split with vectorised shifts and narrowing casts
-    on 16-bit words, about twice as fast as the strided byte copies used for other sizes."""
-    if itemsize != 2:
+    Two- and four-byte elements (bf16, fp16, fp32, int32, ...) are split by shifting 16- or
+    32-bit words, each shift written straight into its plane with a narrowing cast (numpy casts
+    in small buffers: no full-size temporary): measured on one thread, 3.7x as fast as strided
+    byte copies for two-byte elements and 1.2x for four-byte ones (``benchmarks/bench_planes.py``)."""
+    wt = _WORDS.get(itemsize)
+    if wt is None:
         return [np.ascontiguousarray(a[j::itemsize]) for j in range(itemsize)]
-    words = a.view("<u2")
-    low = np.empty(words.size, dtype=np.uint8)
-    np.copyto(low, words, casting="unsafe")  # keeps the low byte
-    high = np.empty(words.size, dtype=np.uint8)
-    np.copyto(high, words >> 8, casting="unsafe")
-    return [low, high]
+    words = a.view(wt)
+    planes = []
+    for j in range(itemsize):
+        plane = np.empty(words.size, dtype=np.uint8)
+        np.right_shift(words, 8 * j, out=plane, casting="unsafe")  # the cast keeps the low byte
+        planes.append(plane)
+    return planes
+
+
+_WORDS = {2: "<u2", 4: "<u4"}  # the little-endian words _split shifts for these element sizes
 
 
 def _merge2(low: np.ndarray, high: np.ndarray, dst: np.ndarray) -> None:
     """Interleave two byte planes into ``dst`` (the inverse of :func:`_split` for two-byte
-    elements), with widening casts and shifts on 16-bit words."""
+    elements): each 16-bit word is the high byte shifted up, or'ed with the low byte, in two
+    passes over ``dst`` whose casts numpy makes in small buffers."""
     words = dst.view("<u2")
-    np.copyto(words, high, casting="unsafe")
-    np.left_shift(words, 8, out=words)
-    np.bitwise_or(words, low, out=words, casting="unsafe")
+    np.left_shift(high, 8, out=words, dtype=np.uint16)
+    np.bitwise_or(words, low, out=words, dtype=np.uint16)
