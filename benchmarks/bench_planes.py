@@ -1,10 +1,11 @@
 """Byte planes: splitting a chunk into its planes and interleaving them back, several ways.
 
 The byte-plane codec (``ckstore.format.codec``) stores byte ``j`` of every element together.
-This compares, on one thread and a 4 MiB chunk, numpy's strided copies (what ckstore uses for
-4- and 8-byte elements), casts and shifts on 16- and 32-bit words, either through full-size
-casts or with shifts written straight into place (the latter is what ckstore uses for 2-byte
-elements), numcodecs' ``Shuffle`` when installed (same byte layout), and ``memcpy`` for scale;
+This compares, on one thread and a 4 MiB chunk, numpy's strided copies (what ckstore merges
+4- and 8-byte elements with, and splits 8-byte ones and chunks under 64 KiB), casts and shifts
+on 16- and 32-bit words, either through full-size casts or with shifts written straight into
+place (what ckstore splits 2- and 4-byte elements of larger chunks with, and merges 2-byte
+ones), numcodecs' ``Shuffle`` when installed (same byte layout), and ``memcpy`` for scale;
 then ckstore's own ``encode`` and ``decode_into`` on fp32 and bf16 data. Each figure is the
 median of ``--calls`` timed calls.
 

@@ -75,11 +75,13 @@ def test_truncated_and_garbage_frames_raise() -> None:
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
-def test_planes_are_the_documented_layout(itemsize: int, offset: int) -> None:
+@pytest.mark.parametrize("floats", [3 * 1024, 3 * 65536], ids=["12KiB", "768KiB"])
+def test_planes_are_the_documented_layout(itemsize: int, offset: int, floats: int) -> None:
     """Plane j of a frame is ``raw[j::itemsize]`` (docs/format.md), however the codec splits and
-    merges: frames written by any version read the same. Checked both ways: the planes of an
-    encoded frame against strided slices, and a frame built by hand from strided slices decoded."""
-    weights = (np.random.default_rng(itemsize).standard_normal(3 * 4096) * 0.02).astype(np.float32)
+    merges (small and large chunks take different ways): frames written by any version read the
+    same. Checked both ways: the planes of an encoded frame against strided slices, and a frame
+    built by hand from strided slices decoded."""
+    weights = (np.random.default_rng(itemsize).standard_normal(floats) * 0.02).astype(np.float32)
     raw = np.frombuffer(weights.tobytes(), dtype=np.uint8)
     buf = np.zeros(raw.nbytes + 1, dtype=np.uint8)
     buf[offset : offset + raw.nbytes] = raw
