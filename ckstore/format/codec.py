@@ -303,9 +303,9 @@ def _split(a: np.ndarray, itemsize: int) -> list[np.ndarray]:
     Chunks of :data:`_SHIFTS_FROM` bytes or more of two- and four-byte elements (bf16, fp16,
     fp32, int32, ...) are split by shifting 16- or 32-bit words, each shift written straight into
     its plane with a narrowing cast (numpy casts in small buffers: no full-size temporary). On
-    one thread, a 4 MiB chunk: 1.7x as fast as strided byte copies for two-byte elements, 1.1x for
-    four-byte ones. A cast costs about a microsecond to set up, so smaller chunks take the
-    strided copies (``benchmarks/bench_planes.py``)."""
+    one thread, a 4 MiB chunk: 1.7–4.5x as fast as strided byte copies for two-byte elements,
+    1.1–1.3x for four-byte ones. A cast costs about a microsecond to set up, so smaller chunks
+    take the strided copies (``benchmarks/bench_planes.py``, docs/benchmarks.md)."""
     wt = _WORDS.get(itemsize)
     if wt is None or a.nbytes < _SHIFTS_FROM:
         return [np.ascontiguousarray(a[j::itemsize]) for j in range(itemsize)]
