@@ -125,37 +125,24 @@ def main() -> None:
             ]
         )
         if k in (2, 4):
-            assert all(np.array_equal(x, y) for x, y in zip(split_words(a, k), planes))
-            assert all(np.array_equal(x, y) for x, y in zip(split_shifts(a, k), planes))
-            merge_words(planes, dst, k)
-            assert np.array_equal(dst, a)
-            dst[:] = 0
-            merge_shifts(planes, dst, k)
-            assert np.array_equal(dst, a)
-            rows.append(
-                [
-                    f"{8 * k}-bit words, casts, split ({k}-byte elements)",
-                    gbs(timed(lambda k=k: split_words(a, k), args.calls)),
-                ]
-            )
-            rows.append(
-                [
-                    f"{8 * k}-bit words, casts, merge ({k}-byte elements)",
-                    gbs(timed(lambda p=planes, k=k: merge_words(p, dst, k), args.calls)),
-                ]
-            )
-            rows.append(
-                [
-                    f"{8 * k}-bit words, shifts into place, split ({k}-byte elements)",
-                    gbs(timed(lambda k=k: split_shifts(a, k), args.calls)),
-                ]
-            )
-            rows.append(
-                [
-                    f"{8 * k}-bit words, shifts into place, merge ({k}-byte elements)",
-                    gbs(timed(lambda p=planes, k=k: merge_shifts(p, dst, k), args.calls)),
-                ]
-            )
+            for how, split, merge in (
+                ("casts", split_words, merge_words),
+                ("shifts into place", split_shifts, merge_shifts),
+            ):
+                assert all(np.array_equal(x, y) for x, y in zip(split(a, k), planes))
+                dst[:] = 0
+                merge(planes, dst, k)
+                assert np.array_equal(dst, a)
+                for op, fn in (
+                    ("split", lambda split=split, k=k: split(a, k)),
+                    ("merge", lambda merge=merge, p=planes, k=k: merge(p, dst, k)),
+                ):
+                    rows.append(
+                        [
+                            f"{8 * k}-bit words, {how}, {op} ({k}-byte elements)",
+                            gbs(timed(fn, args.calls)),
+                        ]
+                    )
     try:
         from numcodecs import Shuffle
     except ImportError:
