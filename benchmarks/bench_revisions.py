@@ -16,7 +16,8 @@ rounds.
 States: ``demo``, the demo trainer's state (``ckstore demo``'s GRU and AdamW: 4.5 MiB in 46
 tensors); ``4mib``, four fp32 matrices of 1 MiB; ``tiny``, 20,000 fp32 tensors of 4 elements
 (10% of them changed before each commit); ``minilm`` and ``minilm-bf16``, the real
-all-MiniLM-L6-v2 weights in fp32 (87 MiB) and bf16 (43 MiB), a third as many commits. Checkouts read what was just written: from the page cache.
+all-MiniLM-L6-v2 weights in fp32 (87 MiB) and bf16 (43 MiB), a third as many commits.
+Checkouts read what was just written: from the page cache.
 """
 
 from __future__ import annotations

@@ -58,6 +58,12 @@ def test_odd_lengths_and_tiny_chunks() -> None:
         _roundtrip(np.arange(n, dtype=np.uint8), 4)
 
 
+def test_chunks_under_the_minimum_are_stored_raw_without_a_try() -> None:
+    zeros = np.zeros(codec._MIN_COMPRESS, dtype=np.uint8)
+    assert _roundtrip(zeros[:-1], 4).codec == codec.CODEC_RAW
+    assert _roundtrip(zeros, 4).codec == codec.CODEC_PLANES
+
+
 def test_truncated_and_garbage_frames_raise() -> None:
     t = torch.randn(4096)
     frame = codec.encode(memoryview(t.view(torch.uint8).numpy()), 4)
@@ -75,7 +81,7 @@ def test_truncated_and_garbage_frames_raise() -> None:
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
-@pytest.mark.parametrize("floats", [3 * 1024, 3 * 65536], ids=["12KiB", "768KiB"])
+@pytest.mark.parametrize("floats", [3 * 512, 3 * 1024, 3 * 65536], ids=["6KiB", "12KiB", "768KiB"])
 def test_planes_are_the_documented_layout(itemsize: int, offset: int, floats: int) -> None:
     """Plane j of a frame is ``raw[j::itemsize]`` (docs/format.md), however the codec splits and
     merges (small and large chunks take different ways): frames written by any version read the
