@@ -91,6 +91,30 @@ def test_a_pending_row_whose_pid_now_belongs_to_another_process_is_abandoned(tmp
     assert s.fsck(deep=True).ok
 
 
+def test_a_forked_child_owns_its_commits_as_itself_not_as_its_parent() -> None:
+    """The owner's start time is read once per process: a forked child (a DataLoader worker that
+    commits, say) reads its own, or its pending rows would look like its parent's."""
+    from ckstore.catalog._owner import _proc_start
+
+    parent = Owner.me()
+    assert Owner.me().start == parent.start == _proc_start(os.getpid())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its owner, as Owner.me() builds it, and its start time from /proc
+        try:
+            os.write(write, f"{Owner.me()} {_proc_start(os.getpid())}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        got = f.read().decode()
+    os.waitpid(pid, 0)
+    owner, start = got.split()
+    child = Owner.parse(owner)
+    assert child.pid == pid != parent.pid
+    assert child.start == start  # its own start time, not the cached parent's
+
+
 def test_a_lease_not_renewed_in_time_is_taken_over_by_the_next_commit(tmp_path: Path) -> None:
     """A committer frozen with SIGSTOP mid-write stops heartbeating; once its 2 s lease has run
     out the next commit of the step takes it over; thawed, the frozen one finds its claim gone."""

@@ -21,6 +21,19 @@ def mark_live(nonce: str, alive: bool) -> None:
         (_LIVE_NONCES.add if alive else _LIVE_NONCES.discard)(nonce)
 
 
+_OWN_START: tuple[int, str] | None = None  # this process's pid and start time, read once per pid
+
+
+def _own_start(pid: int) -> str:
+    """:func:`_proc_start` of this process (``pid``): it never changes, and a forked child, whose
+    pid differs, reads its own."""
+    global _OWN_START
+    known = _OWN_START
+    if known is None or known[0] != pid:
+        known = _OWN_START = (pid, _proc_start(pid))
+    return known[1]
+
+
 def _proc_start(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -41,7 +54,7 @@ class Owner:
     @classmethod
     def me(cls) -> Owner:
         pid = os.getpid()
-        return cls(socket.gethostname(), pid, _proc_start(pid), os.urandom(4).hex())
+        return cls(socket.gethostname(), pid, _own_start(pid), os.urandom(4).hex())
 
     def __str__(self) -> str:
         return f"{self.host}:{self.pid}:{self.start}:{self.nonce}"
@@ -58,7 +71,7 @@ class Owner:
         """True/False when the owner ran on this host; None when it ran elsewhere."""
         if self.host != socket.gethostname():
             return None
-        if self.pid == os.getpid() and self.start == _proc_start(self.pid):
+        if self.pid == os.getpid() and self.start == _own_start(self.pid):
             with _LIVE_LOCK:
                 return self.nonce in _LIVE_NONCES
         if not os.path.exists(f"/proc/{self.pid}"):
