@@ -111,3 +111,39 @@ def test_planes_are_the_documented_layout(itemsize: int, offset: int, floats: in
     out = np.zeros(raw.nbytes + 1, dtype=np.uint8)[offset : offset + raw.nbytes]
     codec.decode_into(hand, memoryview(out))
     assert out.tobytes() == raw.tobytes()
+
+
+def _frame_bytes(f: codec.Frame) -> tuple[int, int, bytes]:
+    return f.codec, f.length, b"".join(bytes(p) for p in f.parts)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_encode_many_writes_the_frames_encode_writes(itemsize: int) -> None:
+    """Chunks encoded together (their planes split in one pass, compressed on zstd's threads) are
+    byte for byte the frames of encoding each alone: of every kind, in any order, kept readable
+    after the batch's buffers are gone."""
+    rng = np.random.default_rng(itemsize)
+    dt = {2: np.float16, 4: np.float32, 8: np.float64}[itemsize]
+    arrays = [
+        (rng.standard_normal(n) * 1e-3).astype(dt)
+        for n in (4096 // itemsize, 16384 // itemsize, 64 * 1024 // itemsize, 3 * 1024 // itemsize + 1)
+    ]
+    arrays += [np.zeros(2048 // itemsize, dt), np.arange(600 // itemsize, dtype=dt), np.ones(40, dt)]
+    arrays += [rng.integers(0, 255, 8192, dtype=np.uint8).view(dt)]  # incompressible: stored raw
+    arrays += [(rng.standard_normal(200_000) * 1e-3).astype(dt)]  # past a sample: sampled, one by one
+    raws = [memoryview(a).cast("B") for a in arrays * 3]  # 27 chunks: more than one batch's minimum
+    raws.append(memoryview(b"\x01\x02\x03"))  # not whole elements: encoded alone
+    want = [_frame_bytes(codec.encode(r, itemsize)) for r in raws]
+    frames = codec.encode_many(raws, itemsize, threads=2)
+    del arrays
+    assert [_frame_bytes(f) for f in frames] == want
+    if codec._MULTI:  # the planes really were compressed together, by zstd's multi-chunk call
+        assert any(isinstance(p, memoryview) and type(p.obj).__name__ == "BufferSegment" for f in frames for p in f.parts)
+    kinds = {f.codec for f in frames}
+    assert {codec.CODEC_PLANES, codec.CODEC_RAW} <= kinds
+    for r, f in zip(raws, frames):  # and they decode
+        out = bytearray(r.nbytes)
+        codec.decode_into(_frame_bytes(f)[2], memoryview(out))
+        assert bytes(out) == bytes(r)
+    # one thread: the chunks are encoded one by one, the same frames
+    assert [_frame_bytes(f) for f in codec.encode_many(raws, itemsize, threads=1)] == want

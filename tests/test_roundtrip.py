@@ -159,3 +159,24 @@ def _expected(x: Any) -> Any:
     if isinstance(x, tuple):
         return tuple(_expected(v) for v in x)
     return x
+
+
+def test_a_commit_stores_each_manifest_as_its_records_encode_it(store: ckstore.Store) -> None:
+    """Commits write manifests straight from what they staged; the bytes are those of the
+    manifest's own records (one definition of the format), shards and non-ASCII keys included."""
+    from ckstore.format.manifest import Manifest
+
+    state = {
+        "w": ckstore.Shard(torch.randn(4, 6), "tp", dim=0),
+        "é/ü": {"t": torch.arange(5), "n": 3, "l": [1.5, None, torch.ones(2, dtype=torch.bfloat16)]},
+        "empty": torch.zeros(0, 3),
+    }
+    other = {**state, "w": ckstore.Shard(torch.randn(4, 6), "tp", dim=0)}
+    store.commit(1, {0: {"model_states": state}, 1: {"model_states": other}}, world_layout=ckstore.WorldLayout({"tp": 2}))
+    ckpt = store.resolve(1)
+    stored = store.catalog.entries(ckpt.id)
+    assert len(stored) == 2
+    for _, _, data in stored:
+        man = Manifest.from_bytes(data)
+        assert man.to_bytes() == data
+        assert any(t.shard is not None for t in man.tensors)

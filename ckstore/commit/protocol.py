@@ -383,7 +383,7 @@ class StagedCommit:
             writer = PackWriter(self.ctx.blobs, cfg.pack_size, on_open, on_close)
             _stage.write_missing(
                 self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
-                level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick,
+                level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick, threads=self.ctx.workers,
             )  # fmt: skip
             return packs, _stage.build_manifests(self.entries, self.staged, cfg.chunk_size)
 

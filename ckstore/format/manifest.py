@@ -42,6 +42,8 @@ __all__ = [
     "ShardSpec",
     "TensorRecord",
     "Manifest",
+    "tensor_json",
+    "manifest_bytes",
     "MANIFEST_VERSION",
     "MAX_MANIFEST_BYTES",
     "MAX_CHUNK_SIZE",
@@ -108,6 +110,25 @@ class ShardSpec:
         return cls(tuple(gshape), tuple(offsets), tuple(splits))
 
 
+def tensor_json(
+    path: str, dtype: str, shape: Sequence[int], nbytes: int, chunk_size: int, chunks: Sequence[bytes],
+    shard: ShardSpec | None,
+) -> dict[str, Any]:
+    """A tensor record as its manifest holds it (:meth:`TensorRecord.to_json`); commits build it
+    straight from what they staged, without a record object per tensor."""
+    obj: dict[str, Any] = {
+        "path": path,
+        "dtype": dtype,
+        "shape": list(shape),
+        "nbytes": nbytes,
+        "chunk_size": chunk_size,
+        "chunks": [c.hex() for c in chunks],
+    }
+    if shard is not None:
+        obj["shard"] = shard.to_json()
+    return obj
+
+
 @dataclass(frozen=True, slots=True)
 class TensorRecord:
     """One stored tensor: its raw bytes are the concatenation of ``chunks``."""
@@ -126,17 +147,7 @@ class TensorRecord:
         return start, min(self.nbytes, start + self.chunk_size)
 
     def to_json(self) -> dict[str, Any]:
-        obj: dict[str, Any] = {
-            "path": self.path,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "nbytes": self.nbytes,
-            "chunk_size": self.chunk_size,
-            "chunks": [c.hex() for c in self.chunks],
-        }
-        if self.shard is not None:
-            obj["shard"] = self.shard.to_json()
-        return obj
+        return tensor_json(self.path, self.dtype, self.shape, self.nbytes, self.chunk_size, self.chunks, self.shard)
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "") -> TensorRecord:
@@ -197,18 +208,7 @@ class Manifest:
         return {d for t in self.tensors for d in t.chunks}
 
     def to_bytes(self) -> bytes:
-        doc = {
-            "version": MANIFEST_VERSION,
-            "tree": self.tree,
-            "tensors": [t.to_json() for t in self.tensors],
-        }
-        raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise UnsupportedValueError(
-                f"the manifest of this state dict is {len(raw)} bytes of JSON, more than the "
-                f"{MAX_MANIFEST_BYTES} ckstore reads back; split it into several sub-checkpoints"
-            )
-        return zstandard.ZstdCompressor(level=3).compress(raw)
+        return manifest_bytes(self.tree, [t.to_json() for t in self.tensors])
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "") -> Manifest:
@@ -231,6 +231,19 @@ class Manifest:
             raise IntegrityError(f"{where}the manifest has no tree")
         tree_format.check_tree(doc["tree"], len(records), where)
         return cls(doc["tree"], records)
+
+
+def manifest_bytes(tree: Any, tensors: list[dict[str, Any]]) -> bytes:
+    """A manifest as the catalog stores it (:meth:`Manifest.to_bytes`), from its tree and its
+    tensors' records (:func:`tensor_json`)."""
+    doc = {"version": MANIFEST_VERSION, "tree": tree, "tensors": tensors}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise UnsupportedValueError(
+            f"the manifest of this state dict is {len(raw)} bytes of JSON, more than the "
+            f"{MAX_MANIFEST_BYTES} ckstore reads back; split it into several sub-checkpoints"
+        )
+    return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
 def _load_json(data: bytes, where: str) -> Any:
