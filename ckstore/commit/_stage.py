@@ -160,10 +160,14 @@ def stage(
         with TaskGroup("stage", workers) as pool:
             digests = list(pool.map(lambda t: _live_digests(t, chunk_size), tensors))
     host = staging.stage(tensors, digests) if staging is not None else stage_tensors(tensors)
-    staged = [
-        StagedTensor(ei, li, format_path(leaf.keys), dtype_name(t.dtype), tuple(t.shape), itemsize(t.dtype), t, data)
-        for (ei, li, leaf), (t, data) in zip(order, host)
-    ]
+    kinds: dict[Any, tuple[str, int]] = {}  # name and element size of each dtype, looked up once
+    staged = []
+    for (ei, li, leaf), (t, data) in zip(order, host):
+        dt = t.dtype
+        kind = kinds.get(dt)
+        if kind is None:
+            kind = kinds[dt] = (dtype_name(dt), itemsize(dt))
+        staged.append(StagedTensor(ei, li, format_path(leaf.keys), kind[0], tuple(t.shape), kind[1], t, data))
     if digests is not None:
         for st, d in zip(staged, digests):
             if d is not None:

@@ -300,9 +300,11 @@ class StagedCommit:
             _stage.hash_staged(self.entries, self.staged, self.specs, cs, self.pool)
             if self.staging is not None:  # what its places hold now, for the next commit through it
                 self.staging.held = [st.digests for st in self.staged]
+            held = self.held
             for st in self.staged:
+                n = st.data.nbytes
                 for i, d in enumerate(st.digests):
-                    self.held.setdefault(d, st.chunk(i, cs).nbytes)
+                    held.setdefault(d, min(cs, n - i * cs))  # chunk i's length
             return _join(list(self.held)), list(self.held.values())
 
         hashed = g.attempt(local)
