@@ -72,6 +72,26 @@ _REF_OF = (
 _CHUNK_COLUMNS = ("digest", "pack_id", "offset", "length", "raw_size", "codec")
 _NEW_PACKS = PACKS.insert().returning(PACKS.c.id, sort_by_parameter_order=True)
 _RELEASE_PACKS = update(PACKS).where(PACKS.c.owner_checkpoint_id == _ID).values(owner_checkpoint_id=None)
+_NEW_CHECKPOINT = CHECKPOINTS.insert()
+_NEW_ENTRIES = ENTRIES.insert()
+_NEW_METRICS = METRICS.insert()
+_DROP_CHECKPOINT = delete(CHECKPOINTS).where(CHECKPOINTS.c.id == _ID)
+_MAKE_VISIBLE = (
+    update(CHECKPOINTS)
+    .where(CHECKPOINTS.c.id == _ID)
+    .values(
+        status=COMMITTED,
+        committed_at=bindparam("at"),
+        logical_bytes=bindparam("logical"),
+        stored_bytes_added=bindparam("added"),
+    )
+)
+# packs registered for a commit and never written (none of their chunks recorded)
+_DROP_UNUSED_PACKS = delete(PACKS).where(
+    PACKS.c.id.in_(bindparam("packs", expanding=True)),
+    PACKS.c.owner_checkpoint_id == _ID,
+    ~exists().where(CHUNKS.c.pack_id == PACKS.c.id),
+)
 
 
 class CommitMixin(RunsMixin):
@@ -129,21 +149,22 @@ class CommitMixin(RunsMixin):
                                     f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
                                     "finish or commit another step"
                                 )
-                            conn.execute(delete(CHECKPOINTS).where(CHECKPOINTS.c.id == r.id))
+                            conn.execute(_DROP_CHECKPOINT, {"ckpt": r.id})
                     res = conn.execute(
-                        CHECKPOINTS.insert().values(
-                            run_id=rid,
-                            step=step,
-                            status=PENDING,
-                            kind=kind,
-                            created_at=now,
-                            heartbeat_at=now,
-                            owner=str(owner),
-                            world_layout=json.dumps(world_layout.to_json()),
-                            logical_bytes=0,
-                            stored_bytes_added=0,
-                            parent_checkpoint_id=parent,
-                        )
+                        _NEW_CHECKPOINT,
+                        {
+                            "run_id": rid,
+                            "step": step,
+                            "status": PENDING,
+                            "kind": kind,
+                            "created_at": now,
+                            "heartbeat_at": now,
+                            "owner": str(owner),
+                            "world_layout": json.dumps(world_layout.to_json()),
+                            "logical_bytes": 0,
+                            "stored_bytes_added": 0,
+                            "parent_checkpoint_id": parent,
+                        },
                     )
                     return int(res.inserted_primary_key[0])  # type: ignore[index]
             except BaseException as e:
@@ -262,13 +283,7 @@ class CommitMixin(RunsMixin):
         if packs:
             conn.execute(_PACK_SIZE, [{"pack": pack_id, "new_size": size} for pack_id, size, _ in packs])
         for dropped in batches(list(unused)):
-            conn.execute(
-                delete(PACKS).where(
-                    PACKS.c.id.in_(dropped),
-                    PACKS.c.owner_checkpoint_id == ckpt_id,
-                    ~exists().where(CHUNKS.c.pack_id == PACKS.c.id),
-                )
-            )
+            conn.execute(_DROP_UNUSED_PACKS, {"packs": dropped, "ckpt": ckpt_id})
         # executemany of one cached statement: a multi-row VALUES would be compiled anew for
         # every batch, which costs more than the inserts themselves
         st = self._chunk_statements
@@ -324,10 +339,10 @@ class CommitMixin(RunsMixin):
                             f"step {row.step} was committed by another process meanwhile; pass replace=True "
                             "to overwrite it"
                         )
-                    conn.execute(delete(CHECKPOINTS).where(CHECKPOINTS.c.id == old))
+                    conn.execute(_DROP_CHECKPOINT, {"ckpt": old})
                 for batch in batches(list(entries), 100):
                     conn.execute(
-                        ENTRIES.insert(),
+                        _NEW_ENTRIES,
                         [
                             {"checkpoint_id": ckpt_id, "rank": r, "sub_key": k, "manifest": m, "logical_bytes": n}
                             for r, k, m, n in batch
@@ -335,7 +350,7 @@ class CommitMixin(RunsMixin):
                     )
                 if metrics:
                     conn.execute(
-                        METRICS.insert(),
+                        _NEW_METRICS,
                         [
                             {"checkpoint_id": ckpt_id, "name": k, "value": None if math.isnan(v) else v}
                             for k, v in metrics.items()
@@ -344,14 +359,8 @@ class CommitMixin(RunsMixin):
                 for name in dict.fromkeys(tags):
                     self._set_tag(conn, row.run_id, name, ckpt_id)
                 conn.execute(
-                    update(CHECKPOINTS)
-                    .where(CHECKPOINTS.c.id == ckpt_id)
-                    .values(
-                        status=COMMITTED,
-                        committed_at=committed_at or utcnow(),
-                        logical_bytes=logical_bytes,
-                        stored_bytes_added=stored_bytes_added,
-                    )
+                    _MAKE_VISIBLE,
+                    {"ckpt": ckpt_id, "at": committed_at or utcnow(), "logical": logical_bytes, "added": stored_bytes_added},
                 )
                 conn.execute(_RELEASE_PACKS, {"ckpt": ckpt_id})
                 crash_point("finish.transaction")
