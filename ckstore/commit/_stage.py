@@ -300,15 +300,15 @@ def write_missing(
     :data:`INLINE_ENCODE` bytes in all, are encoded in the calling thread: encoding a chunk takes
     and releases the GIL a dozen times, and for small chunks threads contending for it cost more
     than they share (an Adam state of 7,200 tensors of 16 KiB: 0.76 s on the pool, 0.66 s
-    inline). They are encoded a batch at a time (:data:`BATCH_BYTES`, :data:`BATCH_CHUNKS`), their
-    byte planes compressed together on up to ``threads`` of zstd's threads
+    inline). Small chunks are encoded a batch at a time (:data:`BATCH_BYTES`, :data:`BATCH_CHUNKS`),
+    their byte planes compressed together on up to ``threads`` of zstd's threads
     (:func:`ckstore.format.codec.encode_many`). Large chunks are encoded on the pool, a window of
     them in flight."""
     inflight: deque[tuple[bytes, memoryview, Future[codec.Frame]]] = deque()
     chunks, total = _unique_missing(staged, missing, chunk_size)
     inline = total <= INLINE_ENCODE
     threads = min(threads, _CPUS)
-    batch: list[tuple[bytes, memoryview, int]] = []  # chunks to encode in this thread, in order
+    batch: list[tuple[bytes, memoryview, int]] = []  # small chunks to encode in this thread, in order
     batch_bytes = 0
 
     def add(d: bytes, frame: codec.Frame, raw: memoryview) -> None:
@@ -338,11 +338,14 @@ def write_missing(
                 encode_batch()
                 small = False
                 writer.seal()  # the pack of small chunks: written while the large ones are encoded
-            if inline or small:
+            if small:
                 batch.append((d, raw, st.itemsize))
                 batch_bytes += raw.nbytes
                 if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_CHUNKS:
                     encode_batch()
+                continue
+            if inline:  # a large chunk of a small commit: encoded and written at once, one frame held
+                add(d, codec.encode(raw, st.itemsize, level), raw)
                 continue
             inflight.append((d, raw, pool.submit(codec.encode, raw, st.itemsize, level)))
             if len(inflight) >= window:
