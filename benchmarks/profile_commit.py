@@ -126,6 +126,7 @@ def install(t: StageTimer) -> None:
     t.wrap(_stage, "stage_tensors", "staging")
     t.wrap(hashing, "digest", "hashing")  # commit: hashing; checkout: relabelled below
     t.wrap(codec, "encode", "encoding")
+    t.wrap(codec, "encode_many", "encoding")  # small chunks, a batch at a time
     for name in ("add", "_open", "_finish", "close"):
         t.wrap(pack.PackWriter, name, "pack writes")
     # the pack writer waits here for finished packs written and recorded on its background thread
