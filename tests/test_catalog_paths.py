@@ -108,3 +108,46 @@ def test_a_whole_checkout_finds_its_chunks_in_one_query_and_a_damaged_reference_
     again = store.checkout(1)
     assert_same(again, states)
     assert len(locating) == 2 and "chunk_refs" not in locating[1], locating
+
+
+def test_statements_run_on_the_driver_read_and_write_what_sqlalchemy_does(store: ckstore.Store) -> None:
+    """The commit and checkout paths run their statements on the driver's own cursor
+    (``catalog._access.execute``): parameters and result columns converted by the statement's
+    types (times, bytes, NULL metrics, a list parameter, values the statement binds itself) as
+    SQLAlchemy converts them, driver errors raised as SQLAlchemy's (a commit's retry depends on
+    IntegrityError), and the engine's listeners seeing each statement."""
+    import math
+    from datetime import datetime, timezone
+
+    from sqlalchemy import exc as sa_exc
+    from sqlalchemy import select
+
+    from ckstore.catalog._access import execute
+    from ckstore.catalog._commit import _MAKE_VISIBLE, _NEW_METRICS
+    from ckstore.catalog._queries import _LATEST_IN_RUN, _METRICS, _ROWS
+    from ckstore.catalog._rows import CHECKPOINTS, METRICS
+
+    store.commit(1, {0: {"model_states": {"w": torch.arange(10.0)}}}, {"loss": 0.5, "nan": math.nan})
+    ck = store.commit(2, {0: {"model_states": {"w": torch.arange(12.0)}}})
+    engine = store.catalog.engine
+    seen: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda _c, _k, sql, *_: seen.append(sql))
+    with engine.begin() as conn:
+        ids = [c.id for c in store.checkpoints()]
+        fast, slow = execute(conn, _ROWS, {"ids": ids}).all(), conn.execute(_ROWS, {"ids": ids}).all()
+        assert [tuple(r) for r in fast] == [tuple(r) for r in slow] and len(fast) == 2
+        assert isinstance(fast[0].created_at, datetime) and fast[0].run_name == "exp"
+        assert sorted(map(tuple, execute(conn, _METRICS, {"ids": ids}))) == sorted(map(tuple, conn.execute(_METRICS, {"ids": ids})))
+        seen.clear()
+        assert execute(conn, _LATEST_IN_RUN, {"run": "exp"}).one().id == ck.id  # status and LIMIT bound by the statement
+        assert len(seen) == 1 and "ORDER BY checkpoints.step DESC" in seen[0]  # listeners see driver statements
+        # a time written on the driver reads back through SQLAlchemy as written
+        when = datetime(2026, 1, 2, 3, 4, 5, 600700, tzinfo=timezone.utc)
+        assert execute(conn, _MAKE_VISIBLE, {"ckpt": ck.id, "at": when, "logical": 7, "added": 3}).rowcount == 1
+        row = conn.execute(select(CHECKPOINTS).where(CHECKPOINTS.c.id == ck.id)).one()
+        assert (row.committed_at.replace(tzinfo=timezone.utc), row.logical_bytes, row.stored_bytes_added) == (when, 7, 3)
+        execute(conn, _NEW_METRICS, [{"checkpoint_id": ck.id, "name": "acc", "value": None}])
+        assert conn.execute(select(METRICS.c.value).where(METRICS.c.name == "acc")).scalar_one() is None
+        with pytest.raises(sa_exc.IntegrityError):  # the same metric twice: the primary key
+            with conn.begin_nested():
+                execute(conn, _NEW_METRICS, [{"checkpoint_id": ck.id, "name": "acc", "value": 1.0}])

@@ -4,7 +4,9 @@ read snapshots, write transactions, dialect-specific inserts, database errors tr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections import namedtuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,7 +16,7 @@ from sqlalchemy import exc as sa_exc
 from ..errors import OUTCOME_UNKNOWN, CatalogError
 from ._engine import check_schema, head_revision, make_engine, redact, upgrade_schema, write_txn
 
-__all__ = ["CatalogBase", "DriverStatement", "ListStatement"]
+__all__ = ["CatalogBase", "DriverStatement", "Rows", "execute"]
 
 
 class DriverStatement:
@@ -45,40 +47,194 @@ class DriverStatement:
             params = list(rows)
         else:
             params = [tuple(r[i] for i in self.order) for r in rows]
-        return int(conn.exec_driver_sql(self.sql, params).rowcount)
+        return _on_driver(conn, self.sql, params, many=True).rowcount
 
 
-class ListStatement:
-    """A statement with one list parameter (an expanding ``IN``), rendered for the driver once
-    per list length and run as the driver's own statement.
+class Rows:
+    """What a statement run on the driver's cursor returned: its rows (named tuples, with the
+    result methods of SQLAlchemy's that ckstore uses) and the count of rows it changed."""
 
-    SQLAlchemy renders an expanding parameter anew at every call (a commit of 20,000 chunks runs
-    such statements with 500 digests 120 times); rendered once, a call only binds the values.
-    Values and results must need no type conversion (ints, bytes and strings on both
-    dialects). Up to :attr:`KEPT` lengths are kept (a commit's batches are full but its last).
-    """
+    __slots__ = ("rows", "rowcount")
 
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.rows)
+
+    def all(self) -> list[Any]:
+        return self.rows
+
+    def first(self) -> Any:
+        return self.rows[0] if self.rows else None
+
+    def one(self) -> Any:
+        if len(self.rows) != 1:
+            raise sa_exc.NoResultFound("no row") if not self.rows else sa_exc.MultipleResultsFound("several rows")
+        return self.rows[0]
+
+    def scalar(self) -> Any:
+        return self.rows[0][0] if self.rows else None
+
+    def scalars(self) -> list[Any]:
+        return [r[0] for r in self.rows]
+
+
+def _row_type(stmt: Any) -> Any:
+    """A named-tuple type for the rows of ``stmt`` (None when it selects nothing)."""
+    cols = list(getattr(stmt, "selected_columns", ()))
+    return namedtuple("Row", [c.key for c in cols], rename=True) if cols else None
+
+
+def _on_driver(
+    conn: Connection,
+    sql: str,
+    params: Any,
+    *,
+    many: bool = False,
+    row: Any = None,
+    convert: Callable[[Any], Sequence[Callable[[Any], Any] | None]] | None = None,
+) -> Rows:
+    """Run ``sql`` on the driver's own cursor, inside the transaction of ``conn``; rows as
+    ``row`` tuples, each column passed through the function ``convert(cursor.description)``
+    gives for it, if any.
+
+    As from ``conn.execute``: the engine's ``before_cursor_execute`` and
+    ``after_cursor_execute`` listeners see the statement (SQL logging, tracing; ``context`` is
+    None), driver errors are raised as SQLAlchemy's, and a lost connection is invalidated."""
+    dialect = conn.dialect
+    dbapi_error = dialect.loaded_dbapi.Error
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    cursor = dbapi_conn.cursor()
+    events = conn.dispatch
+    try:
+        if events.before_cursor_execute:
+            events.before_cursor_execute(conn, cursor, sql, params, None, many)
+        if many:
+            cursor.executemany(sql, params)
+        else:
+            cursor.execute(sql, params)
+        if events.after_cursor_execute:
+            events.after_cursor_execute(conn, cursor, sql, params, None, many)
+        if row is None:
+            return Rows([], int(cursor.rowcount))
+        funcs = () if convert is None else convert(cursor.description)
+        if any(funcs):
+            return Rows([row._make(v if f is None else f(v) for f, v in zip(funcs, r)) for r in cursor.fetchall()], -1)
+        return Rows([row._make(r) for r in cursor.fetchall()], -1)
+    except dbapi_error as e:
+        lost = bool(dialect.is_disconnect(e, dbapi_conn, cursor))
+        if lost:
+            conn.invalidate(e)
+        raise sa_exc.DBAPIError.instance(sql, None, e, dbapi_error, connection_invalidated=lost, dialect=dialect) from e
+    finally:
+        cursor.close()
+
+
+class _Plan:
+    """A statement compiled for a dialect and the names of its parameters: its SQL (rendered
+    once per length of its list parameter, if it has one), how to order and convert its
+    parameters, and how to convert its result columns, by the statement's own column types."""
+
+    #: lengths of the list parameter rendered and kept (a commit's batches are full but its last)
     KEPT = 64
 
-    def __init__(self, stmt: Any, dialect: Any, name: str) -> None:
-        self.name = name
-        self._compiled = stmt.compile(dialect=dialect)
-        self._scalars = [k for k in self._compiled.binds if k != name]
-        self._rendered: dict[int, tuple[str, tuple[str, ...] | None]] = {}
+    def __init__(self, stmt: Any, dialect: Any, keys: Sequence[str]) -> None:
+        # compiled for the parameters given, as SQLAlchemy does (an INSERT names their columns)
+        compiled = stmt.compile(dialect=dialect, column_keys=list(keys))
+        lists = [name for name, b in compiled.binds.items() if b.expanding]
+        if len(lists) > 1:
+            raise AssertionError(f"{compiled.string} takes several lists")
+        self.list = lists[0] if lists else None
+        self.compiled = compiled
+        self.rendered: dict[int, tuple[str, tuple[str, ...] | None]] = {}
+        self.fixed: dict[str, Any] = {}  # values the statement binds itself (a status, a LIMIT)
+        self.convert: dict[str, Callable[[Any], Any]] = {}
+        for name, bp in compiled.binds.items():
+            proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
+            if proc is not None:
+                self.convert[name] = proc
+            if not bp.required and bp.callable is None and not bp.expanding:
+                self.fixed[name] = bp.value if proc is None else proc(bp.value)
+        self.row = _row_type(stmt)
+        self.dialect = dialect
+        self.types = [c.type.dialect_impl(dialect) for c in getattr(stmt, "selected_columns", ())]
+        self.results: list[Callable[[Any], Any] | None] | None = None
 
-    def execute(self, conn: Connection, values: Sequence[Any], **scalars: Any) -> Any:
-        n = len(values)
-        rendered = self._rendered.get(n)
+    def converters(self, description: Any) -> Sequence[Callable[[Any], Any] | None]:
+        """Each result column's conversion, by its type and the driver's type code for it (as
+        SQLAlchemy asks: PostgreSQL's numeric columns need it), looked up at the first run."""
+        if self.results is None:
+            codes = [d[1] for d in description] if description else [None] * len(self.types)
+            self.results = [t.result_processor(self.dialect, code) for t, code in zip(self.types, codes)]
+        return self.results
+
+    def _sql(self, n: int) -> tuple[str, tuple[str, ...] | None]:
+        rendered = self.rendered.get(n)
         if rendered is None:
-            state = self._compiled.construct_expanded_state({self.name: [None] * n, **dict.fromkeys(self._scalars)})
-            order = state.positiontup
-            rendered = (state.statement, None if order is None else tuple(order))
-            if len(self._rendered) < self.KEPT:
-                self._rendered[n] = rendered
-        sql, order = rendered
-        named = {f"{self.name}_{i}": v for i, v in enumerate(values, 1)}
-        named.update(scalars)
-        return conn.exec_driver_sql(sql, named if order is None else tuple(named[k] for k in order))
+            if self.list is None:
+                order = self.compiled.positiontup
+                rendered = (self.compiled.string, None if order is None else tuple(order))
+            else:
+                state = self.compiled.construct_expanded_state(
+                    {**dict.fromkeys(self.compiled.binds), self.list: [None] * n}
+                )
+                order = state.positiontup
+                rendered = (state.statement, None if order is None else tuple(order))
+            if len(self.rendered) < self.KEPT:
+                self.rendered[n] = rendered
+        return rendered
+
+    def bind(self, params: Mapping[str, Any]) -> tuple[str, Any]:
+        """The SQL and the driver's parameters for ``params``."""
+        values = {**self.fixed, **params}
+        for name, proc in self.convert.items():
+            if name in params and name != self.list:
+                values[name] = proc(values[name])
+        n = 0
+        if self.list is not None:
+            items = values.pop(self.list)
+            n = len(items)
+            each = self.convert.get(self.list)
+            values.update({f"{self.list}_{i}": v if each is None else each(v) for i, v in enumerate(items, 1)})
+        sql, order = self._sql(n)
+        return sql, values if order is None else tuple(values[k] for k in order)
+
+
+# each statement's plans by dialect and parameter names, for as long as the statement lives
+_PLANS: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[str, ...]], _Plan]] = weakref.WeakKeyDictionary()
+
+
+def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None) -> Rows:
+    """``conn.execute(stmt, params)`` for a statement built once (a module-level constant), run
+    on the driver's own cursor: ``params`` a mapping, or a list of them (executemany).
+
+    SQLAlchemy's execution costs tens of µs a statement in Python, the GIL held (a commit runs
+    about twenty, a background commit among them); this compiles the statement once per
+    dialect and set of parameter names, and converts parameters and result columns by the
+    statement's own types, as SQLAlchemy would. A statement may take one list (an expanding
+    ``IN``), rendered once per length."""
+    dialect = conn.dialect
+    plans = _PLANS.get(stmt)
+    if plans is None:
+        plans = _PLANS[stmt] = {}
+    rows: Sequence[Mapping[str, Any]] = [params or {}] if params is None or isinstance(params, Mapping) else params
+    many = not (params is None or isinstance(params, Mapping))
+    if not rows:
+        return Rows([], 0)
+    key = (dialect.name, tuple(sorted(rows[0])))
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _Plan(stmt, dialect, key[1])
+    if many:
+        if plan.list is not None:
+            raise AssertionError("an executemany of a statement that takes a list")
+        bound = [plan.bind(p) for p in rows]
+        return _on_driver(conn, bound[0][0], [b[1] for b in bound], many=True)
+    sql, args = plan.bind(rows[0])
+    return _on_driver(conn, sql, args, row=plan.row, convert=plan.converters)
 
 
 class CatalogBase:

@@ -19,7 +19,7 @@ from .._crash import crash_point
 from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
-from ._access import DriverStatement, ListStatement
+from ._access import DriverStatement, execute
 from ._owner import Owner, mark_live
 from ._queries import written_record
 from ._records import RecordFacts, read_facts
@@ -126,12 +126,12 @@ class CommitMixin(RunsMixin):
         for attempt in range(3):
             try:
                 with self._write(durable=False) as conn:
-                    origin = conn.execute(RUN_ORIGIN, {"name": run}).first()
+                    origin = execute(conn, RUN_ORIGIN, {"name": run}).first()
                     rid = int(origin.id) if origin is not None else self._run_id(conn, run, create=True)
                     parent = parent_checkpoint_id
                     if parent is None and fork_point and origin is not None:
                         parent = _fork_point(conn, rid, origin.parent_checkpoint_id, origin.parent_ref)
-                    rows = conn.execute(_STEP_ROWS, {"run": rid, "step": step}).all()
+                    rows = execute(conn, _STEP_ROWS, {"run": rid, "step": step}).all()
                     now = utcnow()
                     for r in rows:
                         if r.status == COMMITTED and not replace:
@@ -149,7 +149,7 @@ class CommitMixin(RunsMixin):
                                     f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
                                     "finish or commit another step"
                                 )
-                            conn.execute(_DROP_CHECKPOINT, {"ckpt": r.id})
+                            execute(conn, _DROP_CHECKPOINT, {"ckpt": r.id})
                     res = conn.execute(
                         _NEW_CHECKPOINT,
                         {
@@ -177,7 +177,7 @@ class CommitMixin(RunsMixin):
         raise AssertionError("unreachable")
 
     def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
-        row = conn.execute(_OWN, {"ckpt": ckpt_id}).first()
+        row = execute(conn, _OWN, {"ckpt": ckpt_id}).first()
         if row is None or row.status != PENDING or row.owner != str(owner):
             raise CommitAbandonedError(
                 "this commit's claim was taken over while it was in flight (garbage collection or "
@@ -189,7 +189,7 @@ class CommitMixin(RunsMixin):
     def heartbeat(self, ckpt_id: int, owner: Owner) -> bool:
         """Refresh a pending checkpoint's lease; False when the claim was lost."""
         with self._write(durable=False) as conn:
-            res = conn.execute(_HEARTBEAT, {"ckpt": ckpt_id, "who": str(owner), "now": utcnow()})
+            res = execute(conn, _HEARTBEAT, {"ckpt": ckpt_id, "who": str(owner), "now": utcnow()})
             return bool(res.rowcount)
 
     def claim_chunks(self, ckpt_id: int, owner: Owner, digests: Iterable[bytes]) -> set[bytes]:
@@ -213,7 +213,7 @@ class CommitMixin(RunsMixin):
         wanted = list(dict.fromkeys(digests))
         found: set[bytes] = set()
         for batch in batches(wanted):
-            rows = self._chunk_statements.found.execute(conn, batch).all()
+            rows = execute(conn, _FOUND, {"digests": batch}).all()
             if rows:
                 self._reference(conn, ckpt_id, [r.id for r in rows])
                 found.update(bytes(r.digest) for r in rows)
@@ -281,7 +281,7 @@ class CommitMixin(RunsMixin):
         ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
         ours = {pack_id for pack_id, _, _ in packs}
         if packs:
-            conn.execute(_PACK_SIZE, [{"pack": pack_id, "new_size": size} for pack_id, size, _ in packs])
+            execute(conn, _PACK_SIZE, [{"pack": pack_id, "new_size": size} for pack_id, size, _ in packs])
         for dropped in batches(list(unused)):
             conn.execute(_DROP_UNUSED_PACKS, {"packs": dropped, "ckpt": ckpt_id})
         # executemany of one cached statement: a multi-row VALUES would be compiled anew for
@@ -298,14 +298,14 @@ class CommitMixin(RunsMixin):
             # wherever they were recorded, and ask which rows are ours (by digest only: a
             # condition on pack_id leads SQLite's planner to scan the pack's earlier rows)
             digests = [c.digest for _, c in batch]
-            st.refs_by_digest.execute(conn, digests, ckpt=ckpt_id)
-            rows = st.added.execute(conn, digests)
+            execute(conn, st.refs_by_digest, {"digests": digests, "ckpt": ckpt_id})
+            rows = execute(conn, _ADDED, {"digests": digests})
             added += sum(int(r.length) for r in rows if r.pack_id in ours)
         # every chunk row in our packs is one this commit inserted: reference them all, a pack
         # at a time (a reference already there is kept)
         for pack_id, _, chunks in packs:
             if chunks:
-                conn.execute(st.refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
+                execute(conn, st.refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
         return added
 
     def finish_checkpoint(
@@ -332,16 +332,17 @@ class CommitMixin(RunsMixin):
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
-                old = conn.execute(_COMMITTED_AT_STEP, {"run": row.run_id, "step": row.step}).scalar()
+                old = execute(conn, _COMMITTED_AT_STEP, {"run": row.run_id, "step": row.step}).scalar()
                 if old is not None:
                     if not replace:
                         raise AlreadyExistsError(
                             f"step {row.step} was committed by another process meanwhile; pass replace=True "
                             "to overwrite it"
                         )
-                    conn.execute(_DROP_CHECKPOINT, {"ckpt": old})
+                    execute(conn, _DROP_CHECKPOINT, {"ckpt": old})
                 for batch in batches(list(entries), 100):
-                    conn.execute(
+                    execute(
+                        conn,
                         _NEW_ENTRIES,
                         [
                             {"checkpoint_id": ckpt_id, "rank": r, "sub_key": k, "manifest": m, "logical_bytes": n}
@@ -349,7 +350,8 @@ class CommitMixin(RunsMixin):
                         ],
                     )
                 if metrics:
-                    conn.execute(
+                    execute(
+                        conn,
                         _NEW_METRICS,
                         [
                             {"checkpoint_id": ckpt_id, "name": k, "value": None if math.isnan(v) else v}
@@ -358,11 +360,12 @@ class CommitMixin(RunsMixin):
                     )
                 for name in dict.fromkeys(tags):
                     self._set_tag(conn, row.run_id, name, ckpt_id)
-                conn.execute(
+                execute(
+                    conn,
                     _MAKE_VISIBLE,
                     {"ckpt": ckpt_id, "at": committed_at or utcnow(), "logical": logical_bytes, "added": stored_bytes_added},
                 )
-                conn.execute(_RELEASE_PACKS, {"ckpt": ckpt_id})
+                execute(conn, _RELEASE_PACKS, {"ckpt": ckpt_id})
                 crash_point("finish.transaction")
                 done = written_record(conn, ckpt_id, metrics, tags, [(r, k) for r, k, _, _ in entries])
             return done
@@ -402,15 +405,13 @@ def _fork_point(conn: Connection, rid: int, parent_id: int | None, parent_ref: s
 @dataclass(frozen=True, slots=True)
 class _ChunkStatements:
     """A dialect's statements of a commit's many-chunk steps, built once per catalog (see
-    ``DriverStatement`` and ``ListStatement``): inserts that skip rows already there, and
-    lookups by a list of digests."""
+    ``DriverStatement`` and ``execute``): inserts that skip rows already there, and references
+    by a list of digests or by pack."""
 
     insert_chunks: DriverStatement  # rows of _CHUNK_COLUMNS
     insert_refs: DriverStatement  # rows of (checkpoint_id, chunk_id)
-    refs_by_digest: ListStatement  # a checkpoint's references to the chunks of these digests
+    refs_by_digest: Any  # a checkpoint's references to the chunks of these digests
     refs_by_pack: Any  # a checkpoint's references to every chunk of one pack
-    found: ListStatement  # id and digest of the chunks of these digests
-    added: ListStatement  # pack and length of the chunks of these digests
 
     @classmethod
     def build(cls, insert: Callable[[Any], Any], dialect: Any) -> _ChunkStatements:
@@ -421,8 +422,6 @@ class _ChunkStatements:
         return cls(
             DriverStatement(insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"]), dialect, _CHUNK_COLUMNS),
             DriverStatement(insert(CHUNK_REFS).on_conflict_do_nothing(), dialect, ("checkpoint_id", "chunk_id")),
-            ListStatement(refs_where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True))), dialect, "digests"),
+            refs_where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True))),
             refs_where(CHUNKS.c.pack_id == bindparam("pack")),
-            ListStatement(_FOUND, dialect, "digests"),
-            ListStatement(_ADDED, dialect, "digests"),
         )

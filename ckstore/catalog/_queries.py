@@ -14,7 +14,6 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, exists, func, select
@@ -23,7 +22,7 @@ from ..errors import CheckpointNotFoundError, CkstoreError, IntegrityError, Inva
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from ..refs import Ref
-from ._access import CatalogBase, ListStatement
+from ._access import CatalogBase, execute
 from ._rows import (
     CHECKPOINTS,
     CHUNK_REFS,
@@ -138,21 +137,21 @@ def load_records(conn: Connection, ids: Sequence[int]) -> Loaded:
     out = Loaded()
     for batch in batches(list(ids)):
         params = {"ids": list(batch)}
-        rows = conn.execute(_ROWS, params).all()
+        rows = execute(conn, _ROWS, params).all()
         problems: dict[int, str] = {}
         metrics: dict[int, dict[str, float]] = {}
         # names in code point order, here rather than by ORDER BY: a PostgreSQL collation may
         # order them otherwise, and a record reads the same from every catalog
-        for m in sorted(conn.execute(_METRICS, params), key=lambda m: m.name):
+        for m in sorted(execute(conn, _METRICS, params), key=lambda m: m.name):
             try:
                 metrics.setdefault(m.checkpoint_id, {})[m.name] = _metric(m.value)
             except (TypeError, ValueError) as err:
                 problems.setdefault(m.checkpoint_id, f"metric {m.name!r}: {err}")
         tags: dict[int, list[str]] = {}
-        for t in sorted(conn.execute(_TAGS, params), key=lambda t: t.name):
+        for t in sorted(execute(conn, _TAGS, params), key=lambda t: t.name):
             tags.setdefault(t.checkpoint_id, []).append(t.name)
         layout: dict[int, tuple[set[int], list[str]]] = {}
-        for e in conn.execute(_LAYOUT, params):
+        for e in execute(conn, _LAYOUT, params):
             ranks, keys = layout.setdefault(e.checkpoint_id, (set(), []))
             ranks.add(e.rank)
             if e.sub_key not in keys:
@@ -171,7 +170,7 @@ def written_record(
     :func:`load_records` would read back, without reading them again."""
     out = Loaded()
     keys = list(dict.fromkeys(k for _, k in entries))
-    for r in conn.execute(_ROWS, {"ids": [ckpt_id]}):
+    for r in execute(conn, _ROWS, {"ids": [ckpt_id]}):
         values = {k: math.nan if math.isnan(v) else float(v) for k, v in sorted(metrics.items())}
         _build(out, r, None, values, sorted(set(tags)), {rank for rank, _ in entries}, keys)
     return out.one(ckpt_id)
@@ -232,11 +231,11 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
     """The id of the committed checkpoint ``ref`` names, within ``run`` when given."""
     where = f" in run {run!r}" if run else ""
     if ref.kind == "latest":
-        row = conn.execute(_LATEST if run is None else _LATEST_IN_RUN, {"run": run}).first()
+        row = execute(conn, _LATEST if run is None else _LATEST_IN_RUN, {} if run is None else {"run": run}).first()
         if row is None:
             raise CheckpointNotFoundError(f"no committed checkpoint{where} yet")
     elif ref.kind == "step":
-        rows = conn.execute(_STEP if run is None else _STEP_IN_RUN, {"run": run, "step": ref.value}).all()
+        rows = execute(conn, _STEP, {"step": ref.value}).all() if run is None else execute(conn, _STEP_IN_RUN, {"run": run, "step": ref.value}).all()
         if not rows:
             raise CheckpointNotFoundError(f"no committed checkpoint at step {ref.value}{where} (see `ckstore log`)")
         if len(rows) > 1:
@@ -246,7 +245,7 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
             )
         row = rows[0]
     elif ref.kind == "tag":
-        rows = conn.execute(_TAG if run is None else _TAG_IN_RUN, {"run": run, "tag": ref.value}).all()
+        rows = execute(conn, _TAG, {"tag": ref.value}).all() if run is None else execute(conn, _TAG_IN_RUN, {"run": run, "tag": ref.value}).all()
         if not rows:
             raise CheckpointNotFoundError(f"no checkpoint tagged {ref.value!r}{where} (see `ckstore log`)")
         if len(rows) > 1:
@@ -305,12 +304,16 @@ class QueriesMixin(CatalogBase):
     ) -> list[tuple[int, str, bytes]]:
         """``(rank, sub_key, manifest)`` of a checkpoint's entries, by rank."""
         with self._read() as conn:
-            q = _ENTRIES
-            if ranks is not None:
-                q = q.where(ENTRIES.c.rank.in_(list(ranks)))
-            if sub_keys is not None:
-                q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
-            return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in conn.execute(q, {"ckpt": ckpt_id})]
+            if ranks is None and sub_keys is None:
+                rows: Iterable[Any] = execute(conn, _ENTRIES, {"ckpt": ckpt_id})
+            else:
+                q = _ENTRIES
+                if ranks is not None:
+                    q = q.where(ENTRIES.c.rank.in_(list(ranks)))
+                if sub_keys is not None:
+                    q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
+                rows = conn.execute(q, {"ckpt": ckpt_id})
+            return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in rows]
 
     def chunk_locations(
         self, digests: Iterable[bytes], *, checkpoint_id: int | None = None
@@ -326,21 +329,17 @@ class QueriesMixin(CatalogBase):
         with self._read() as conn:
             if checkpoint_id is not None:
                 want = set(wanted)
-                for r in conn.execute(_LOCATIONS_OF, {"ckpt": checkpoint_id}).all():
+                for r in execute(conn, _LOCATIONS_OF, {"ckpt": checkpoint_id}).all():
                     d = bytes(r.digest)
                     if d in want:
                         out[d] = ChunkLocation(r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec))
                 wanted = [d for d in wanted if d not in out]
             for batch in batches(wanted):
-                for r in self._locations.execute(conn, batch).all():
+                for r in execute(conn, _LOCATIONS, {"digests": batch}).all():
                     out[bytes(r.digest)] = ChunkLocation(
                         r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec)
                     )
         return out
-
-    @cached_property
-    def _locations(self) -> ListStatement:
-        return ListStatement(_LOCATIONS, self.engine.dialect, "digests")
 
     def is_empty(self) -> bool:
         """True when the catalog records no run and no pack yet."""

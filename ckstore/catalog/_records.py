@@ -16,6 +16,7 @@ from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, select, update
 
+from ._access import execute
 from ._queries import QueriesMixin
 from ._rows import (
     CHECKPOINTS,
@@ -83,9 +84,9 @@ _IDENT = (
 
 def read_facts(conn: Connection, ckpt_id: int) -> RecordFacts:
     """:meth:`RecordsMixin.record_facts` inside a transaction of the caller's."""
-    row = conn.execute(_FACTS, {"ckpt": ckpt_id}).one()
+    row = execute(conn, _FACTS, {"ckpt": ckpt_id}).one()
     parent = _ident(conn, row.parent_checkpoint_id)
-    chunks = conn.execute(_CHUNKS_OF, {"ckpt": ckpt_id}).all()
+    chunks = execute(conn, _CHUNKS_OF, {"ckpt": ckpt_id}).all()
     return RecordFacts(
         row.run_name, int(row.step), row.kind, aware(row.created_at), aware(row.run_created),
         row.world_layout, parent,
@@ -259,7 +260,7 @@ class RecordsMixin(QueriesMixin):
 def _ident(conn: Connection, ckpt_id: int | None) -> Ident | None:
     if ckpt_id is None:
         return None
-    row = conn.execute(_IDENT, {"ckpt": ckpt_id}).first()
+    row = execute(conn, _IDENT, {"ckpt": ckpt_id}).first()
     return None if row is None else (row.name, int(row.step), aware(row.created_at))
 
 

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, TypeVar, overload
 from sqlalchemy import ColumnElement, Connection, bindparam, exists, select
 
 from ..errors import NotFoundError
+from ._access import execute
 from ._schema import (
     CHECKPOINTS,
     CHUNK_REFS,
@@ -67,7 +68,7 @@ RUN_ORIGIN = select(RUNS.c.id, RUNS.c.parent_checkpoint_id, RUNS.c.parent_ref).w
 
 def run_id(conn: Connection, name: str) -> int:
     """The id of run ``name``; :class:`NotFoundError` when the store has no such run."""
-    rid = conn.execute(RUN_ID, {"name": name}).scalar()
+    rid = execute(conn, RUN_ID, {"name": name}).scalar()
     if rid is None:
         raise no_such_run(name)
     return int(rid)
