@@ -14,7 +14,16 @@ from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy import exc as sa_exc
 
 from ..errors import OUTCOME_UNKNOWN, CatalogError
-from ._engine import check_schema, head_revision, make_engine, redact, upgrade_schema, write_txn
+from ._engine import (
+    Rows,
+    check_schema,
+    head_revision,
+    make_engine,
+    on_driver,
+    redact,
+    upgrade_schema,
+    write_txn,
+)
 
 __all__ = ["CatalogBase", "DriverStatement", "Rows", "execute"]
 
@@ -47,90 +56,14 @@ class DriverStatement:
             params = list(rows)
         else:
             params = [tuple(r[i] for i in self.order) for r in rows]
-        return _on_driver(conn, self.sql, params, many=True).rowcount
-
-
-class Rows:
-    """What a statement run on the driver's cursor returned: its rows (named tuples, with the
-    result methods of SQLAlchemy's that ckstore uses) and the count of rows it changed."""
-
-    __slots__ = ("rows", "rowcount")
-
-    def __init__(self, rows: list[Any], rowcount: int) -> None:
-        self.rows = rows
-        self.rowcount = rowcount
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.rows)
-
-    def all(self) -> list[Any]:
-        return self.rows
-
-    def first(self) -> Any:
-        return self.rows[0] if self.rows else None
-
-    def one(self) -> Any:
-        if len(self.rows) != 1:
-            raise sa_exc.NoResultFound("no row") if not self.rows else sa_exc.MultipleResultsFound("several rows")
-        return self.rows[0]
-
-    def scalar(self) -> Any:
-        return self.rows[0][0] if self.rows else None
-
-    def scalars(self) -> list[Any]:
-        return [r[0] for r in self.rows]
+        return on_driver(conn, self.sql, params, many=True).rowcount
 
 
 def _row_type(stmt: Any) -> Any:
-    """A named-tuple type for the rows of ``stmt`` (None when it selects nothing)."""
-    cols = list(getattr(stmt, "selected_columns", ()))
+    """A named-tuple type for the rows of ``stmt`` (None when it returns none): the columns a
+    SELECT selects, or an INSERT, UPDATE or DELETE returns."""
+    cols = list(stmt.exported_columns)
     return namedtuple("Row", [c.key for c in cols], rename=True) if cols else None
-
-
-def _on_driver(
-    conn: Connection,
-    sql: str,
-    params: Any,
-    *,
-    many: bool = False,
-    row: Any = None,
-    convert: Callable[[Any], Sequence[Callable[[Any], Any] | None]] | None = None,
-) -> Rows:
-    """Run ``sql`` on the driver's own cursor, inside the transaction of ``conn``; rows as
-    ``row`` tuples, each column passed through the function ``convert(cursor.description)``
-    gives for it, if any.
-
-    As from ``conn.execute``: the engine's ``before_cursor_execute`` and
-    ``after_cursor_execute`` listeners see the statement (SQL logging, tracing; ``context`` is
-    None), driver errors are raised as SQLAlchemy's, and a lost connection is invalidated."""
-    dialect = conn.dialect
-    dbapi_error = dialect.loaded_dbapi.Error
-    dbapi_conn = conn.connection.dbapi_connection
-    assert dbapi_conn is not None
-    cursor = dbapi_conn.cursor()
-    events = conn.dispatch
-    try:
-        if events.before_cursor_execute:
-            events.before_cursor_execute(conn, cursor, sql, params, None, many)
-        if many:
-            cursor.executemany(sql, params)
-        else:
-            cursor.execute(sql, params)
-        if events.after_cursor_execute:
-            events.after_cursor_execute(conn, cursor, sql, params, None, many)
-        if row is None:
-            return Rows([], int(cursor.rowcount))
-        funcs = () if convert is None else convert(cursor.description)
-        if any(funcs):
-            return Rows([row._make(v if f is None else f(v) for f, v in zip(funcs, r)) for r in cursor.fetchall()], -1)
-        return Rows([row._make(r) for r in cursor.fetchall()], -1)
-    except dbapi_error as e:
-        lost = bool(dialect.is_disconnect(e, dbapi_conn, cursor))
-        if lost:
-            conn.invalidate(e)
-        raise sa_exc.DBAPIError.instance(sql, None, e, dbapi_error, connection_invalidated=lost, dialect=dialect) from e
-    finally:
-        cursor.close()
 
 
 class _Plan:
@@ -160,7 +93,7 @@ class _Plan:
                 self.fixed[name] = bp.value if proc is None else proc(bp.value)
         self.row = _row_type(stmt)
         self.dialect = dialect
-        self.types = [c.type.dialect_impl(dialect) for c in getattr(stmt, "selected_columns", ())]
+        self.types = [c.type.dialect_impl(dialect) for c in stmt.exported_columns]
         self.results: list[Callable[[Any], Any] | None] | None = None
 
     def converters(self, description: Any) -> Sequence[Callable[[Any], Any] | None]:
@@ -232,9 +165,9 @@ def execute(conn: Connection, stmt: Any, params: Mapping[str, Any] | Sequence[Ma
         if plan.list is not None:
             raise AssertionError("an executemany of a statement that takes a list")
         bound = [plan.bind(p) for p in rows]
-        return _on_driver(conn, bound[0][0], [b[1] for b in bound], many=True)
+        return on_driver(conn, bound[0][0], [b[1] for b in bound], many=True)
     sql, args = plan.bind(rows[0])
-    return _on_driver(conn, sql, args, row=plan.row, convert=plan.converters)
+    return on_driver(conn, sql, args, row=plan.row, convert=plan.converters)
 
 
 class CatalogBase:

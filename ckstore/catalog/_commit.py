@@ -70,9 +70,9 @@ _REF_OF = (
     .where(CHECKPOINTS.c.id == _ID, CHECKPOINTS.c.status == COMMITTED)
 )
 _CHUNK_COLUMNS = ("digest", "pack_id", "offset", "length", "raw_size", "codec")
-_NEW_PACKS = PACKS.insert().returning(PACKS.c.id, sort_by_parameter_order=True)
+_NEW_PACK = PACKS.insert().returning(PACKS.c.id)
 _RELEASE_PACKS = update(PACKS).where(PACKS.c.owner_checkpoint_id == _ID).values(owner_checkpoint_id=None)
-_NEW_CHECKPOINT = CHECKPOINTS.insert()
+_NEW_CHECKPOINT = CHECKPOINTS.insert().returning(CHECKPOINTS.c.id)
 _NEW_ENTRIES = ENTRIES.insert()
 _NEW_METRICS = METRICS.insert()
 _DROP_CHECKPOINT = delete(CHECKPOINTS).where(CHECKPOINTS.c.id == _ID)
@@ -150,7 +150,8 @@ class CommitMixin(RunsMixin):
                                     "finish or commit another step"
                                 )
                             execute(conn, _DROP_CHECKPOINT, {"ckpt": r.id})
-                    res = conn.execute(
+                    new_id = execute(
+                        conn,
                         _NEW_CHECKPOINT,
                         {
                             "run_id": rid,
@@ -165,8 +166,8 @@ class CommitMixin(RunsMixin):
                             "stored_bytes_added": 0,
                             "parent_checkpoint_id": parent,
                         },
-                    )
-                    return int(res.inserted_primary_key[0])  # type: ignore[index]
+                    ).scalar()
+                    return int(new_id)
             except BaseException as e:
                 if isinstance(e, sa_exc.IntegrityError) and attempt < 2:
                     continue  # another commit of the step inserted its row meanwhile: look again
@@ -240,7 +241,7 @@ class CommitMixin(RunsMixin):
             return []
         now = utcnow()
         rows = [{"key": key, "size": 0, "created_at": now, "owner_checkpoint_id": ckpt_id} for key in keys]
-        return [int(i) for i in conn.execute(_NEW_PACKS, rows).scalars()]
+        return [int(execute(conn, _NEW_PACK, row).scalar()) for row in rows]
 
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import QueuePool
 
@@ -19,6 +20,8 @@ from ..urls import redact, scrub
 from ._schema import Base
 
 __all__ = [
+    "Rows",
+    "on_driver",
     "make_engine",
     "write_txn",
     "check_schema",
@@ -74,6 +77,83 @@ def _enter_wal(cur: Any, wait: float = 120.0) -> None:
             delay = min(delay * 2, 0.2)
 
 
+class Rows:
+    """What a statement run on the driver's cursor returned: its rows (named tuples, with the
+    result methods of SQLAlchemy's that ckstore uses) and the count of rows it changed."""
+
+    __slots__ = ("rows", "rowcount")
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.rows)
+
+    def all(self) -> list[Any]:
+        return self.rows
+
+    def first(self) -> Any:
+        return self.rows[0] if self.rows else None
+
+    def one(self) -> Any:
+        if len(self.rows) != 1:
+            raise sa_exc.NoResultFound("no row") if not self.rows else sa_exc.MultipleResultsFound("several rows")
+        return self.rows[0]
+
+    def scalar(self) -> Any:
+        return self.rows[0][0] if self.rows else None
+
+    def scalars(self) -> list[Any]:
+        return [r[0] for r in self.rows]
+
+
+def on_driver(
+    conn: Connection,
+    sql: str,
+    params: Any,
+    *,
+    many: bool = False,
+    row: Any = None,
+    convert: Callable[[Any], Sequence[Callable[[Any], Any] | None]] | None = None,
+) -> Rows:
+    """Run ``sql`` on the driver's own cursor, inside the transaction of ``conn``; rows as
+    ``row`` tuples, each column passed through the function ``convert(cursor.description)``
+    gives for it, if any.
+
+    As from ``conn.execute``: the engine's ``before_cursor_execute`` and
+    ``after_cursor_execute`` listeners see the statement (SQL logging, tracing; ``context`` is
+    None), driver errors are raised as SQLAlchemy's, and a lost connection is invalidated."""
+    dialect = conn.dialect
+    dbapi_error = dialect.loaded_dbapi.Error
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    cursor = dbapi_conn.cursor()
+    events = conn.dispatch
+    try:
+        if events.before_cursor_execute:
+            events.before_cursor_execute(conn, cursor, sql, params, None, many)
+        if many:
+            cursor.executemany(sql, params)
+        else:
+            cursor.execute(sql, params)
+        if events.after_cursor_execute:
+            events.after_cursor_execute(conn, cursor, sql, params, None, many)
+        if row is None:
+            return Rows([], int(cursor.rowcount))
+        funcs = () if convert is None else convert(cursor.description)
+        if any(funcs):
+            return Rows([row._make(v if f is None else f(v) for f, v in zip(funcs, r)) for r in cursor.fetchall()], -1)
+        return Rows([row._make(r) for r in cursor.fetchall()], -1)
+    except dbapi_error as e:
+        lost = bool(dialect.is_disconnect(e, dbapi_conn, cursor))
+        if lost:
+            conn.invalidate(e)
+        raise sa_exc.DBAPIError.instance(sql, None, e, dbapi_error, connection_invalidated=lost, dialect=dialect) from e
+    finally:
+        cursor.close()
+
+
 def make_engine(url: str) -> Engine:
     """An engine for an (already expanded) catalog URL."""
     try:
@@ -100,13 +180,13 @@ def make_engine(url: str) -> Engine:
                 # Writers take the database's write lock up front, so two writers never
                 # deadlock upgrading read locks; readers run beside them under WAL.
                 if not conn.info.get(_WRITE):
-                    conn.exec_driver_sql("BEGIN")
+                    on_driver(conn, "BEGIN", ())
                     return
                 want = "NORMAL" if conn.info.get(_LAZY) else "FULL"
                 if conn.info.get(_SYNC) != want:  # set outside a transaction, kept by the connection
-                    conn.exec_driver_sql(f"PRAGMA synchronous={want}")
+                    on_driver(conn, f"PRAGMA synchronous={want}", ())
                     conn.info[_SYNC] = want
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                on_driver(conn, "BEGIN IMMEDIATE", ())
 
         elif url.startswith("postgresql"):
             given = make_url(url).query
