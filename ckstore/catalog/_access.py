@@ -78,8 +78,8 @@ class _Plan:
         # compiled for the parameters given, as SQLAlchemy does (an INSERT names their columns)
         compiled = stmt.compile(dialect=dialect, column_keys=list(keys))
         lists = [name for name, b in compiled.binds.items() if b.expanding]
-        if len(lists) > 1:
-            raise AssertionError(f"{compiled.string} takes several lists")
+        if len(lists) > 1 or any(b.literal_execute for b in compiled.binds.values()):
+            raise AssertionError(f"{compiled.string}: several lists, or values rendered at execution; use conn.execute")
         self.list = lists[0] if lists else None
         self.compiled = compiled
         self.rendered: dict[int, tuple[str, tuple[str, ...] | None]] = {}

@@ -1,5 +1,5 @@
-"""Catalog engines: SQLite (WAL, busy timeout, serialized writers) and PostgreSQL, and the
-schema check that runs Alembic from code."""
+"""Catalog engines: SQLite (WAL, busy timeout, serialized writers) and PostgreSQL, statements
+run on a connection's own driver cursor, and the schema check that runs Alembic from code."""
 
 from __future__ import annotations
 
