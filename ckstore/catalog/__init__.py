@@ -40,7 +40,7 @@ from ._owner import Owner
 from ._queries import CorruptRowWarning
 from ._records import Ident, RecordFacts, RecordsMixin, RestoredChunk
 from ._repack import RepackCandidate, RepackMixin
-from ._rows import ChunkLocation, NewChunk, Pending, aware, utcnow
+from ._rows import ChunkLocation, ChunkRow, NewChunk, Pending, aware, utcnow
 from ._survey import CheckpointId, ChunkSpan, PackExtent, Survey
 from ._usage import StoreUsage, Usage, UsageMixin
 
@@ -57,6 +57,7 @@ __all__ = [
     "RecordFacts",
     "RestoredChunk",
     "RepackCandidate",
+    "ChunkRow",
     "NewChunk",
     "Owner",
     "PackExtent",

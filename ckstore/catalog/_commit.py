@@ -32,7 +32,7 @@ from ._rows import (
     PACKS,
     RUN_ORIGIN,
     RUNS,
-    NewChunk,
+    ChunkRow,
     aware,
     batches,
     utcnow,
@@ -243,7 +243,7 @@ class CommitMixin(RunsMixin):
         rows = [{"key": key, "size": 0, "created_at": now, "owner_checkpoint_id": ckpt_id} for key in keys]
         return [int(execute(conn, _NEW_PACK, row).scalar()) for row in rows]
 
-    def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[NewChunk]) -> int:
+    def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[ChunkRow]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
         (a chunk another commit recorded first is referenced there instead). For commits that
         stream their packs; a commit that records all its packs at once uses :meth:`record_packs`."""
@@ -255,7 +255,7 @@ class CommitMixin(RunsMixin):
         self,
         ckpt_id: int,
         owner: Owner,
-        packs: Sequence[tuple[int, int, Sequence[NewChunk]]],
+        packs: Sequence[tuple[int, int, Sequence[ChunkRow]]],
         *,
         unused: Sequence[int] = (),
     ) -> tuple[int, RecordFacts]:
@@ -273,7 +273,7 @@ class CommitMixin(RunsMixin):
         self,
         conn: Connection,
         ckpt_id: int,
-        packs: Sequence[tuple[int, int, Sequence[NewChunk]]],
+        packs: Sequence[tuple[int, int, Sequence[ChunkRow]]],
         unused: Sequence[int],
     ) -> int:
         added = 0

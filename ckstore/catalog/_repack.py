@@ -17,7 +17,7 @@ from datetime import datetime
 from sqlalchemy import func, select, update
 
 from ._queries import QueriesMixin
-from ._rows import CHUNKS, PACKS, TRASH, NewChunk, utcnow
+from ._rows import CHUNKS, PACKS, TRASH, ChunkRow, NewChunk, utcnow
 
 __all__ = ["RepackCandidate", "RepackMixin"]
 
@@ -74,7 +74,7 @@ class RepackMixin(QueriesMixin):
 
     def move_chunks(
         self,
-        new_packs: Sequence[tuple[int, int, Sequence[NewChunk]]],
+        new_packs: Sequence[tuple[int, int, Sequence[ChunkRow]]],
         old: Sequence[tuple[int, str]],
         delete_after: datetime,
     ) -> int | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
 from sqlalchemy import ColumnElement, Connection, bindparam, exists, select
 
@@ -29,7 +29,7 @@ __all__ = [
     "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH", "RUN_ID",
     "RUN_ORIGIN",
     "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
-    "NewChunk", "ChunkLocation", "Pending",
+    "ChunkRow", "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
 
 _BATCH = 500
@@ -84,8 +84,27 @@ def owned_by_live_commit() -> ColumnElement[bool]:
     return PACKS.c.owner_checkpoint_id.in_(select(CHECKPOINTS.c.id).where(CHECKPOINTS.c.status == PENDING))
 
 
+class ChunkRow(Protocol):
+    """What the catalog records of a chunk written to a pack: a :class:`NewChunk`, or the pack
+    writer's own record of it, taken as it is (a commit of 7,200 tensors would otherwise build
+    a second object per chunk)."""
+
+    @property
+    def digest(self) -> bytes: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def raw_size(self) -> int: ...
+    @property
+    def codec(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class NewChunk:
+    """A :class:`ChunkRow` built by the catalog's callers (a pack's live chunks, for repacking)."""
+
     digest: bytes
     offset: int
     length: int

@@ -20,7 +20,7 @@ from ..format.recordio import write_checkpoint_record
 from ..layout import WorldLayout
 from ..records import Checkpoint
 from ._arguments import check_arguments
-from .protocol import CommitContext, Heartbeat, _rows
+from .protocol import CommitContext, Heartbeat
 
 __all__ = ["commit_frames"]
 
@@ -65,7 +65,7 @@ def commit_frames(
                 return key, catalog.register_pack(ckpt_id, owner, key)
 
             def on_close(pack_id: int, size: int, chunks: list) -> None:  # type: ignore[type-arg]
-                added.append(catalog.add_chunks(ckpt_id, owner, pack_id, size, _rows(chunks)))
+                added.append(catalog.add_chunks(ckpt_id, owner, pack_id, size, chunks))
 
             writer = PackWriter(ctx.blobs, cfg.pack_size, on_open, on_close)
             try:

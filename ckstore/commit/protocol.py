@@ -52,7 +52,7 @@ from typing import Any
 from .._crash import crash_point
 from .._threads import TaskGroup
 from ..blobstore import BlobStore
-from ..catalog import Catalog, NewChunk, Owner
+from ..catalog import Catalog, Owner
 from ..checkout.reshard import resolve_shards
 from ..config import StoreConfig
 from ..errors import (
@@ -402,7 +402,7 @@ class StagedCommit:
             assert self.results is not None and self.ckpt_id is not None and self.args is not None
             self.check_lease()
             catalog = self.ctx.catalog
-            packs = [(pack_id, size, _rows(chunks)) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
+            packs = [(pack_id, size, chunks) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
             written = {pack_id for pack_id, _, _ in packs}
             unused = [pack_id for pack_id in self.registered if pack_id not in written]
             added, facts = 0, None
@@ -528,10 +528,6 @@ def assign_writers(
             if owner.get(d) == r:
                 out[r].append(d)
     return out
-
-
-def _rows(chunks: Sequence[PackedChunk]) -> list[NewChunk]:
-    return [NewChunk(c.digest, c.offset, c.length, c.raw_size, c.codec) for c in chunks]
 
 
 def _join(digests: Sequence[bytes]) -> bytes:

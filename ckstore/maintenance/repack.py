@@ -86,14 +86,14 @@ def repack(
                             sum(c.live_bytes for c in cands), 0, time.perf_counter() - t0)  # fmt: skip
     rewritten = written = moved = before = after = skipped = 0
     for n, group in enumerate(groups, 1):
-        new_packs: list[tuple[int, int, list[NewChunk]]] = []
+        new_packs: list[tuple[int, int, list[PackedChunk]]] = []
 
         def on_open() -> tuple[str, int]:
             key = new_pack_key()
             return key, catalog.register_repack(key)
 
-        def on_close(pack_id: int, size: int, chunks: list[PackedChunk], out: list[tuple[int, int, list[NewChunk]]] = new_packs) -> None:
-            out.append((pack_id, size, [NewChunk(c.digest, c.offset, c.length, c.raw_size, c.codec) for c in chunks]))
+        def on_close(pack_id: int, size: int, chunks: list[PackedChunk], out: list[tuple[int, int, list[PackedChunk]]] = new_packs) -> None:
+            out.append((pack_id, size, chunks))
 
         writer = PackWriter(blobs, pack_size, on_open, on_close)
         try:
