@@ -231,11 +231,12 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
     """The id of the committed checkpoint ``ref`` names, within ``run`` when given."""
     where = f" in run {run!r}" if run else ""
     if ref.kind == "latest":
-        row = execute(conn, _LATEST if run is None else _LATEST_IN_RUN, {} if run is None else {"run": run}).first()
+        row = (execute(conn, _LATEST) if run is None else execute(conn, _LATEST_IN_RUN, {"run": run})).first()
         if row is None:
             raise CheckpointNotFoundError(f"no committed checkpoint{where} yet")
     elif ref.kind == "step":
-        rows = execute(conn, _STEP, {"step": ref.value}).all() if run is None else execute(conn, _STEP_IN_RUN, {"run": run, "step": ref.value}).all()
+        by_step = {"step": ref.value}
+        rows = (execute(conn, _STEP, by_step) if run is None else execute(conn, _STEP_IN_RUN, {**by_step, "run": run})).all()
         if not rows:
             raise CheckpointNotFoundError(f"no committed checkpoint at step {ref.value}{where} (see `ckstore log`)")
         if len(rows) > 1:
@@ -245,7 +246,8 @@ def resolve_ref(conn: Connection, ref: Ref, run: str | None) -> int:
             )
         row = rows[0]
     elif ref.kind == "tag":
-        rows = execute(conn, _TAG, {"tag": ref.value}).all() if run is None else execute(conn, _TAG_IN_RUN, {"run": run, "tag": ref.value}).all()
+        by_tag = {"tag": ref.value}
+        rows = (execute(conn, _TAG, by_tag) if run is None else execute(conn, _TAG_IN_RUN, {**by_tag, "run": run})).all()
         if not rows:
             raise CheckpointNotFoundError(f"no checkpoint tagged {ref.value!r}{where} (see `ckstore log`)")
         if len(rows) > 1:
