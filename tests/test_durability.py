@@ -5,10 +5,15 @@ disk; its final transaction, which makes the checkpoint visible, does, and so ma
 ones durable with it (both SQLite's and PostgreSQL's write-ahead logs are flushed in order).
 Every other write (tags, deletes, gc) waits for the disk as before. These tests ask the database
 itself, from inside each transaction, whether its COMMIT will wait.
+
+A local object's bytes start going to the disk while it is written, and are durable when it
+appears: the last tests write objects through a local blob store and watch the flushes.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,7 @@ from conformance import sample_states
 from sqlalchemy import event
 
 import ckstore
+from ckstore.blobstore import _local
 
 # what the database answers inside a transaction whose COMMIT waits for the disk, and one whose does not
 _ASK = {
@@ -87,3 +93,48 @@ def test_a_commit_on_postgresql_waits_for_the_disk_only_to_make_its_checkpoint_v
         tmp_path / "store", catalog=pg_catalog_url, run="exp", chunk_size=4096, pack_size=65536
     ) as store:
         _check(store)
+
+
+def _write_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mib: int) -> tuple[bytes, list[str], Any]:
+    """Write ``mib`` MiB (and a tail) to a local store in 256 KiB pieces; returns the bytes, the
+    thread of every ``fdatasync`` in order, and the writer's flusher as the last piece left it."""
+    real = os.fdatasync
+    synced: list[str] = []
+
+    def fdatasync(fd: int) -> None:
+        synced.append(threading.current_thread().name)
+        real(fd)
+
+    monkeypatch.setattr(_local.os, "fdatasync", fdatasync)
+    store = _local.LocalBlobStore(tmp_path / "blobs")
+    data = os.urandom(mib * 2**20 + 12345)
+    with store.writer("packs/ab/abcdef") as w:
+        for i in range(0, len(data), 256 << 10):
+            w.write(data[i : i + (256 << 10)])
+        flusher = w._f  # noqa: SLF001 - what the writer had started before the object was finished
+        started = flusher.started
+    assert store.read("packs/ab/abcdef") == data
+    return data, synced, started
+
+
+def test_a_local_object_starts_going_to_the_disk_while_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if _local._sync_file_range() is None:  # noqa: SLF001
+        pytest.skip("sync_file_range is Linux's")
+    _, synced, started = _write_in_pieces(tmp_path, monkeypatch, 3)
+    # every whole megabyte's writeback was started before the object was finished; one
+    # fdatasync at the end, in the writing thread, makes it all durable
+    assert started == 3 << 20
+    assert synced == [threading.current_thread().name]
+
+
+def test_without_sync_file_range_a_background_fdatasync_runs_while_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_local, "_sync_file_range_fn", None)
+    _, synced, started = _write_in_pieces(tmp_path, monkeypatch, 20)
+    me = threading.current_thread().name
+    assert started == 0
+    assert synced[-1] == me  # the last, which reports errors, in the writing thread
+    assert any(name != me for name in synced[:-1]), synced  # and at least one while writing
