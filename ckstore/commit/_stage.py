@@ -200,8 +200,6 @@ SMALL_BATCH = 1 << 20
 SMALL_BATCH_CHUNKS = 1024
 #: States up to this size are hashed in the calling thread (xxh3 runs at ~10 GB/s: a few ms)
 INLINE_HASH = 16 << 20
-#: Commits writing up to this many raw bytes encode them in the calling thread
-INLINE_ENCODE = 8 << 20
 #: Chunks encoded in the calling thread go to the codec in batches of about this many bytes, or
 #: this many chunks (the batch's planes are copied once: a bounded copy, not the checkpoint's)
 BATCH_BYTES = 4 << 20
@@ -265,21 +263,18 @@ def _unique_missing(
     staged: Sequence[StagedTensor], missing: set[bytes], chunk_size: int
 ) -> tuple[list[tuple[int, int]], int]:
     """The missing chunks, each once, as ``(tensor, chunk)`` indexes into ``staged``: every small
-    chunk first, then the large ones in order; and their raw bytes in all. (Indexes, not views:
-    a commit of 100,000 tensors then holds no object per chunk for the garbage collector to scan.)"""
+    chunk first, then the large ones in order; and how many are large. (Indexes, not views: a
+    commit of 100,000 tensors then holds no object per chunk for the garbage collector to scan.)"""
     seen: set[bytes] = set()
     small: list[tuple[int, int]] = []
     large: list[tuple[int, int]] = []
-    total = 0
     for si, st in enumerate(staged):
         n = st.data.nbytes
         for ci, d in enumerate(st.digests):
             if d in missing and d not in seen:
                 seen.add(d)
-                size = min(chunk_size, n - ci * chunk_size)
-                total += size
-                (small if size < SMALL_CHUNK else large).append((si, ci))
-    return small + large, total
+                (small if min(chunk_size, n - ci * chunk_size) < SMALL_CHUNK else large).append((si, ci))
+    return small + large, len(large)
 
 
 def write_missing(
@@ -296,18 +291,19 @@ def write_missing(
 ) -> None:
     """Encode the chunks in ``missing`` on the pool, in order, and append them to packs.
 
-    Small chunks (under :data:`SMALL_CHUNK`), and every chunk of a commit writing up to
-    :data:`INLINE_ENCODE` bytes in all, are encoded in the calling thread: encoding a chunk takes
-    and releases the GIL a dozen times, and for small chunks threads contending for it cost more
-    than they share (an Adam state of 7,200 tensors of 16 KiB: 0.76 s on the pool, 0.66 s
-    inline). Small chunks are encoded a batch at a time (:data:`BATCH_BYTES`, :data:`BATCH_CHUNKS`),
+    Small chunks (under :data:`SMALL_CHUNK`) are encoded in the calling thread: encoding a chunk
+    takes and releases the GIL a dozen times, and for small chunks threads contending for it cost
+    more than they share (an Adam state of 7,200 tensors of 16 KiB: 0.76 s on the pool, 0.66 s
+    inline). They are encoded a batch at a time (:data:`BATCH_BYTES`, :data:`BATCH_CHUNKS`),
     their byte planes compressed together on up to ``threads`` of zstd's threads
     (:func:`ckstore.format.codec.encode_many`). Large chunks are encoded on the pool, a window of
-    them in flight."""
+    them in flight, even in a small commit (four fp32 chunks of 1 MiB: 6.2 ms one after another,
+    3.3 ms on two threads; the commit 1.8 ms faster); a lone large chunk, or any on a single
+    core, is encoded in the calling thread, which has nothing else to do meanwhile."""
     inflight: deque[tuple[bytes, memoryview, Future[codec.Frame]]] = deque()
-    chunks, total = _unique_missing(staged, missing, chunk_size)
-    inline = total <= INLINE_ENCODE
+    chunks, large = _unique_missing(staged, missing, chunk_size)
     threads = min(threads, _CPUS)
+    inline = large < 2 or threads < 2
     batch: list[tuple[bytes, memoryview, int]] = []  # small chunks to encode in this thread, in order
     batch_bytes = 0
 
@@ -344,7 +340,7 @@ def write_missing(
                 if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_CHUNKS:
                     encode_batch()
                 continue
-            if inline:  # a large chunk of a small commit: encoded and written at once, one frame held
+            if inline:  # encoded and written at once, one frame held
                 add(d, codec.encode(raw, st.itemsize, level), raw)
                 continue
             inflight.append((d, raw, pool.submit(codec.encode, raw, st.itemsize, level)))
