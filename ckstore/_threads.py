@@ -8,18 +8,25 @@ have not started and waits for those running, as leaving a ``ThreadPoolExecutor`
 would (so no task of a failed call outlives it, writing into buffers it handed back). Tasks must
 not wait on other tasks of the same pool. A process forked from one that had started a pool
 starts its own (the parent's threads do not exist in the child).
+
+:func:`every` calls a function at an interval from one process-wide timer thread, for periodic
+work a call keeps up while it runs (a commit's lease): starting and joining a thread of its own
+cost a small commit ~0.3 ms.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from typing import Any, TypeVar
 
-__all__ = ["TaskGroup"]
+__all__ = ["TaskGroup", "Ticking", "every"]
 
 T = TypeVar("T")
 
@@ -66,3 +73,81 @@ class TaskGroup(Executor):
     def __exit__(self, *exc: object) -> None:
         self.shutdown(wait=True, cancel_futures=exc[0] is not None)
 
+
+
+class Ticking:
+    """A function :func:`every` calls at an interval, until :meth:`stop`."""
+
+    def __init__(self, fn: Callable[[], bool | None], interval: float) -> None:
+        self._fn, self.interval = fn, interval
+        self._lock = threading.Lock()  # held while the function runs
+        self.stopped = False
+
+    def stop(self) -> None:
+        """No call starts after this returns, and one running when it was called has ended."""
+        with self._lock:
+            self.stopped = True
+
+    def _tick(self) -> bool:
+        """Run the function once; whether it should run again."""
+        with self._lock:
+            if self.stopped:
+                return False
+            try:
+                again = self._fn()
+            except Exception:  # noqa: BLE001 - the function's own business; the timer goes on
+                again = True
+            if again is False:
+                self.stopped = True
+            return not self.stopped
+
+
+_due: list[tuple[float, int, Ticking]] = []  # (when, order, ticking), a heap
+_order = itertools.count()
+_wake = threading.Condition(threading.Lock())
+_timer_started = False
+
+
+def _forget_timer() -> None:
+    """In a forked child: the parent's timer thread and what it was to call are not here (and
+    its lock may have been held by a thread that does not exist here either)."""
+    global _wake, _timer_started
+    _due.clear()
+    _wake = threading.Condition(threading.Lock())
+    _timer_started = False
+
+
+os.register_at_fork(after_in_child=_forget_timer)
+
+
+def every(interval: float, fn: Callable[[], bool | None]) -> Ticking:
+    """Call ``fn`` every ``interval`` seconds, the first time one interval from now, until the
+    returned :class:`Ticking` is stopped or ``fn`` returns False. Calls run on one process-wide
+    daemon thread, one at a time: ``fn`` must be short (an exception it raises is dropped and the
+    calls go on)."""
+    global _timer_started
+    ticking = Ticking(fn, interval)
+    with _wake:
+        if not _timer_started:
+            _timer_started = True
+            threading.Thread(target=_run_timer, name="ckstore-timer", daemon=True).start()
+        heapq.heappush(_due, (time.monotonic() + interval, next(_order), ticking))
+        _wake.notify()
+    return ticking
+
+
+def _run_timer() -> None:
+    wake = _wake  # (a forked child makes its own)
+    while True:
+        with wake:
+            while True:
+                while _due and _due[0][2].stopped:  # stopped ones leave when they reach the top
+                    heapq.heappop(_due)
+                now = time.monotonic()
+                if _due and _due[0][0] <= now:
+                    _, _, ticking = heapq.heappop(_due)
+                    break
+                wake.wait(_due[0][0] - now if _due else None)
+        if ticking._tick():
+            with wake:
+                heapq.heappush(_due, (time.monotonic() + ticking.interval, next(_order), ticking))

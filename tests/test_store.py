@@ -267,23 +267,33 @@ def test_secrets_are_not_recorded(tmp_path: Path) -> None:
     assert not (tmp_path / "s" / "ckstore.json").exists()
 
 
-def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path) -> None:
+def test_commit_stops_when_its_claim_is_taken_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """gc reaping a pending checkpoint (here by hand) makes the commit fail fast, invisibly."""
     import threading
 
     import catalog_tools
 
+    from ckstore.commit import protocol
+
+    lost = threading.Event()
+    real_beat = protocol.Heartbeat._beat
+
+    def beat(self: protocol.Heartbeat) -> bool:
+        again = real_beat(self)
+        if not again:  # the beat found the claim gone, and recorded it
+            lost.set()
+        return again
+
+    monkeypatch.setattr(protocol.Heartbeat, "_beat", beat)
     s = ckstore.open(tmp_path / "s", run="r", chunk_size=64 * 1024, lease_seconds=0.4)
     calls = []
 
     def progress(done: int, total: int) -> None:
         calls.append(done)
         if len(calls) == 1:
-            (beat,) = [t for t in threading.enumerate() if t.name == "ckstore-heartbeat"]
             assert catalog_tools.drop_pending(s.catalog) == 1
-            # the heartbeat thread (every 0.1 s) finds the claim gone, records it and ends
-            beat.join(timeout=60)
-            assert not beat.is_alive()
+            # the heartbeat (every 0.1 s, on the process's timer thread) finds the claim gone
+            assert lost.wait(60)
 
     state = {f"w{i}": torch.randn(64 * 1024) for i in range(8)}
     with pytest.raises(ckstore.CommitAbandonedError, match="taken over"):

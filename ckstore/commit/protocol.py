@@ -41,7 +41,6 @@ the process group's timeout), with the same outcome.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
@@ -50,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._crash import crash_point
-from .._threads import TaskGroup
+from .._threads import TaskGroup, Ticking, every
 from ..blobstore import BlobStore
 from ..catalog import Catalog, Owner
 from ..checkout.reshard import resolve_shards
@@ -443,21 +442,21 @@ class StagedCommit:
 
 
 class Heartbeat:
-    """Refreshes a pending checkpoint's lease from a background thread until the context exits."""
+    """Refreshes a pending checkpoint's lease, from the process's timer thread
+    (:func:`ckstore._threads.every`), until the context exits."""
 
     def __init__(self, catalog: Catalog, ckpt_id: int, owner: Owner, interval: float) -> None:
         self.catalog, self.ckpt_id, self.owner, self.interval = catalog, ckpt_id, owner, interval
         self.lost = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ckstore-heartbeat", daemon=True)
+        self._ticking: Ticking | None = None
 
     def __enter__(self) -> Heartbeat:
-        self._thread.start()
+        self._ticking = every(self.interval, self._beat)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        assert self._ticking is not None
+        self._ticking.stop()  # no beat runs once this returns
 
     def check(self) -> None:
         """Raise :class:`CommitAbandonedError` once the pending checkpoint's claim is lost."""
@@ -468,14 +467,16 @@ class Heartbeat:
                 "if it happens again, raise gc's --grace or the store's lease"
             )
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                if not self.catalog.heartbeat(self.ckpt_id, self.owner):
-                    self.lost = True
-                    return
-            except Exception:  # noqa: BLE001, S112 - a failed beat is retried at the next; a lease
-                continue  # that lapses meanwhile is refused by the catalog at the next record
+    def _beat(self) -> bool:
+        """One refresh; False (no more) once the claim is lost. A failed refresh is retried at the
+        next beat; a lease that lapses meanwhile is refused by the catalog at the next record."""
+        try:
+            if not self.catalog.heartbeat(self.ckpt_id, self.owner):
+                self.lost = True
+                return False
+        except Exception:  # noqa: BLE001
+            pass
+        return True
 
 
 def packs_needed(raw_bytes: int, chunks: int, pack_size: int) -> int:
