@@ -4,7 +4,7 @@ its chunks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ from helpers import assert_same
 from sqlalchemy import delete, event
 
 import ckstore
-from ckstore.catalog import Catalog, NewChunk, Owner
+from ckstore.catalog import Catalog, NewChunk, Owner, RecordFacts
 from ckstore.catalog._rows import CHUNK_REFS
 from ckstore.layout import WorldLayout
 
@@ -46,6 +46,24 @@ def _chunks(ids: range, length: int) -> list[NewChunk]:
     return [NewChunk(_digest(i), 8 + k * length, length, 2 * length, 0) for k, i in enumerate(ids)]
 
 
+def _finish(cat: Catalog, ckpt: int, owner: Owner, pack: int, chunks: list[NewChunk], size: int) -> tuple[int, RecordFacts]:
+    """Record the pack's chunks in the transaction that makes the checkpoint visible; returns
+    what that transaction handed the record (stored bytes added, facts)."""
+    handed: list[tuple[int, RecordFacts]] = []
+
+    def record(added: int, facts: RecordFacts) -> Callable[[], None]:
+        handed.append((added, facts))
+        return lambda: None
+
+    ck = cat.finish_checkpoint(
+        ckpt, owner, entries=[(0, "model_states", b"{}", 0)], metrics={}, tags=[], logical_bytes=0,
+        replace=False, packs=[(pack, size, chunks)], record=record,
+    )  # fmt: skip
+    (got,) = handed
+    assert ck.stored_bytes_added == got[0]
+    return got
+
+
 @pytest.mark.parametrize("n", [3, 1200])  # within one batch of rows, and over several
 def test_chunks_recorded_first_by_another_commit_add_nothing(catalog: Catalog, n: int) -> None:
     first, first_owner = _begin(catalog, 1)
@@ -53,10 +71,10 @@ def test_chunks_recorded_first_by_another_commit_add_nothing(catalog: Catalog, n
     (p1,) = catalog.register_packs(first, first_owner, ["packs/00/first"])
     (p2,) = catalog.register_packs(second, second_owner, ["packs/00/second"])
     # the first records chunks [0, n); the second then [n // 2, n + n // 2): half of them known
-    added1, _ = catalog.record_packs(first, first_owner, [(p1, 8 + n * 10, _chunks(range(n), 10))])
+    added1, _ = _finish(catalog, first, first_owner, p1, _chunks(range(n), 10), 8 + n * 10)
     assert added1 == n * 10
     theirs = range(n // 2, n + n // 2)
-    added2, facts = catalog.record_packs(second, second_owner, [(p2, 8 + n * 7, _chunks(theirs, 7))])
+    added2, facts = _finish(catalog, second, second_owner, p2, _chunks(theirs, 7), 8 + n * 7)
     assert added2 == (n + n // 2 - n) * 7  # only the chunks the first did not record
     # every chunk of the second is referenced, from wherever it was recorded first
     where = {d: key for d, key, *_ in facts.chunks}
@@ -66,7 +84,7 @@ def test_chunks_recorded_first_by_another_commit_add_nothing(catalog: Catalog, n
     # a commit recording nothing new adds nothing
     third, third_owner = _begin(catalog, 3)
     (p3,) = catalog.register_packs(third, third_owner, ["packs/00/third"])
-    added3, facts3 = catalog.record_packs(third, third_owner, [(p3, 8 + n * 10, _chunks(range(n), 10))])
+    added3, facts3 = _finish(catalog, third, third_owner, p3, _chunks(range(n), 10), 8 + n * 10)
     assert added3 == 0 and len(facts3.chunks) == n
 
 

@@ -1,8 +1,8 @@
 """Which catalog transactions of a commit wait for the disk.
 
-A commit's earlier transactions (pending row, claim, chunk rows) commit without waiting for the
-disk; its final transaction, which makes the checkpoint visible, does, and so makes the earlier
-ones durable with it (both SQLite's and PostgreSQL's write-ahead logs are flushed in order).
+A commit's earlier transactions (pending row, claim) commit without waiting for the disk; its
+final transaction, which records its chunk rows and makes the checkpoint visible, does, and so
+makes the earlier ones durable with it (both SQLite's and PostgreSQL's write-ahead logs are flushed in order).
 Every other write (tags, deletes, gc) waits for the disk as before. These tests ask the database
 itself, from inside each transaction, whether its COMMIT will wait.
 
@@ -30,11 +30,11 @@ _ASK = {
     "postgresql": ("SHOW synchronous_commit", {"on": "waits", "off": "no wait"}),
 }
 
-# a statement of each transaction a commit runs, in order, and whether its COMMIT waits
+# a statement of each step of a commit, in order, and whether its transaction's COMMIT waits
 _COMMIT = [
     ("INSERT INTO checkpoints", "no wait"),  # the pending row
     ("SELECT chunks.id, chunks.digest", "no wait"),  # the claim, which records the packs too
-    ("INSERT INTO chunks", "no wait"),  # every pack's chunk rows
+    ("INSERT INTO chunks", "waits"),  # every pack's chunk rows, in the transaction that makes it
     ("UPDATE checkpoints SET status", "waits"),  # visible
 ]
 

@@ -241,6 +241,7 @@ def test_connection_lost_at_the_commit_that_makes_a_checkpoint_visible(
         assert cut is not None and cut.when == when, cut
         assert any(s.startswith("INSERT INTO entries") for s in cut.statements), cut.statements
         assert any(s.startswith("UPDATE checkpoints SET status=") for s in cut.statements), cut.statements
+        assert any(s.startswith("INSERT INTO chunks") for s in cut.statements), cut.statements  # chunk rows too
         assert cut.forwarded is (when == "after") and cut.server_committed is (when == "after"), cut
         # the client cannot tell the two cuts apart, and says so; the retry tells
         message = str(failed.value)
@@ -275,12 +276,12 @@ def test_connection_lost_at_the_commit_that_makes_a_checkpoint_visible(
         assert_clean(view)
 
 
-#: the other transactions of a commit, each named by a statement only it runs
+#: the other transactions of a commit, each named by a statement only it runs (the chunk rows
+#: go in with the final transaction, above)
 COMMIT_TRANSACTIONS = {
     "pending row": "INSERT INTO checkpoints",  # opens the pending checkpoint
     # references the chunks the catalog has, and records the packs before their objects are written
     "claim": "SELECT chunks.id, chunks.digest ",
-    "chunk rows": "INSERT INTO chunks",  # records the written packs' chunks
 }
 
 

@@ -246,28 +246,11 @@ class CommitMixin(RunsMixin):
     def add_chunks(self, ckpt_id: int, owner: Owner, pack_id: int, pack_size: int, chunks: Sequence[ChunkRow]) -> int:
         """Record a written pack's chunks and reference them; returns the stored bytes they added
         (a chunk another commit recorded first is referenced there instead). For commits that
-        stream their packs; a commit that records all its packs at once uses :meth:`record_packs`."""
+        stream their packs; a commit that records all its packs at once passes them to
+        :meth:`finish_checkpoint`."""
         with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
             return self._add_packs(conn, ckpt_id, [(pack_id, pack_size, chunks)], ())
-
-    def record_packs(
-        self,
-        ckpt_id: int,
-        owner: Owner,
-        packs: Sequence[tuple[int, int, Sequence[ChunkRow]]],
-        *,
-        unused: Sequence[int] = (),
-    ) -> tuple[int, RecordFacts]:
-        """Record every written pack ``(pack_id, pack_size, chunks)`` of a commit in one transaction,
-        once every rank wrote its own, as :meth:`add_chunks` does one; ``unused``: packs registered
-        for the commit and never written, whose rows go. In the same transaction, read what the
-        checkpoint's record needs (:meth:`record_facts`, chunk locations included). Returns
-        ``(stored bytes added, facts)``."""
-        with self._write(lock="shared", durable=False) as conn:
-            self._own_pending(conn, ckpt_id, owner)
-            added = self._add_packs(conn, ckpt_id, packs, unused)
-            return added, read_facts(conn, ckpt_id)
 
     def _add_packs(
         self,
@@ -318,12 +301,25 @@ class CommitMixin(RunsMixin):
         metrics: dict[str, float],
         tags: Sequence[str],
         logical_bytes: int,
-        stored_bytes_added: int,
+        stored_bytes_added: int = 0,
         replace: bool,
         committed_at: datetime | None = None,
+        packs: Sequence[tuple[int, int, Sequence[ChunkRow]]] = (),
+        unused: Sequence[int] = (),
+        record: Callable[[int, RecordFacts], Callable[[], object]] | None = None,
     ) -> Checkpoint:
         """Make the pending checkpoint visible, in one transaction; ``committed_at``: the commit
         time its blob-store record holds (now, when it has none).
+
+        A commit that records all its packs at once (once every rank wrote its own) passes them
+        here: ``packs``, every written pack ``(pack_id, pack_size, chunks)``, recorded first in
+        the same transaction as :meth:`add_chunks` records one (the stored bytes they add count
+        into ``stored_bytes_added``), and ``unused``, packs registered for the commit and never
+        written, whose rows go. ``record`` is then called, in the transaction, with the stored
+        bytes added and what the checkpoint's record needs (:meth:`record_facts`, chunk
+        locations included); it starts writing the record and returns a function that waits
+        until the record is durable, which runs before the COMMIT: the record is written while
+        the transaction's other statements run, and is durable before the checkpoint is visible.
 
         A failure once every statement ran (the connection dropped at the COMMIT) raises a
         :class:`CatalogError` saying the step may or may not have been committed: the server may
@@ -333,6 +329,10 @@ class CommitMixin(RunsMixin):
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
+                if packs or unused:
+                    stored_bytes_added += self._add_packs(conn, ckpt_id, packs, unused)
+                crash_point("pack.chunks_recorded")
+                written = record(stored_bytes_added, read_facts(conn, ckpt_id)) if record is not None else None
                 old = execute(conn, _COMMITTED_AT_STEP, {"run": row.run_id, "step": row.step}).scalar()
                 if old is not None:
                     if not replace:
@@ -367,6 +367,8 @@ class CommitMixin(RunsMixin):
                     {"ckpt": ckpt_id, "at": committed_at or utcnow(), "logical": logical_bytes, "added": stored_bytes_added},
                 )
                 execute(conn, _RELEASE_PACKS, {"ckpt": ckpt_id})
+                if written is not None:
+                    written()  # the record is durable
                 crash_point("finish.transaction")
                 done = written_record(conn, ckpt_id, metrics, tags, [(r, k) for r, k, _, _ in entries])
             return done

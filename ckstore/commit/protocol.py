@@ -51,7 +51,7 @@ from typing import Any
 from .._crash import crash_point
 from .._threads import TaskGroup, Ticking, every
 from ..blobstore import BlobStore
-from ..catalog import Catalog, Owner
+from ..catalog import Catalog, Owner, RecordFacts, utcnow
 from ..checkout.reshard import resolve_shards
 from ..config import StoreConfig
 from ..errors import (
@@ -404,17 +404,20 @@ class StagedCommit:
             packs = [(pack_id, size, chunks) for rank_packs, _ in self.results for pack_id, size, chunks in rank_packs]
             written = {pack_id for pack_id, _, _ in packs}
             unused = [pack_id for pack_id in self.registered if pack_id not in written]
-            added, facts = 0, None
-            if packs or unused:  # with what the checkpoint's record needs from the catalog
-                added, facts = catalog.record_packs(self.ckpt_id, self.owner, packs, unused=unused)
-            crash_point("pack.chunks_recorded")
             manifests = [m for _, ms in self.results for m in ms]
-            # the checkpoint's record in the blob store, durable before the checkpoint is visible
-            when = write_record(self.ctx, self.ckpt_id, self.owner, self.args, manifests, added, facts)
+            when, pool, args, ckpt_id = utcnow(), self.pool, self.args, self.ckpt_id
+            assert pool is not None
+
+            def record(added: int, facts: RecordFacts) -> Callable[[], object]:
+                # the checkpoint's record in the blob store, written on the pool while the
+                # finishing transaction's statements run; durable before its COMMIT
+                return pool.submit(write_record, self.ctx, ckpt_id, args, manifests, added, facts, when).result
+
+            # every pack's chunk rows, the record, and the checkpoint made visible: one transaction
             ckpt = catalog.finish_checkpoint(
-                self.ckpt_id, self.owner, entries=manifests, metrics=self.args.metrics, tags=self.args.tags,
-                logical_bytes=sum(m[3] for m in manifests), stored_bytes_added=added, replace=self.replace,
-                committed_at=when,
+                ckpt_id, self.owner, entries=manifests, metrics=args.metrics, tags=args.tags,
+                logical_bytes=sum(m[3] for m in manifests), replace=self.replace, committed_at=when,
+                packs=packs, unused=unused, record=record,
             )  # fmt: skip
             self.ckpt_id = None  # visible now: nothing to abort
             return ckpt

@@ -33,11 +33,13 @@ def write_checkpoint_record(
     entries: Sequence[tuple[int, str, bytes, int]],
     stored_bytes_added: int,
     facts: RecordFacts | None = None,
+    committed_at: Any = None,
 ) -> CheckpointRecord:
-    """Write pending checkpoint ``ckpt_id``'s record, durably, with now as its commit time; the
-    caller makes the checkpoint visible with that same time (``rec.committed_at``). ``facts``:
-    the catalog's facts of it, when the caller read them already (else they are read here)."""
-    when = utcnow()
+    """Write pending checkpoint ``ckpt_id``'s record, durably, with ``committed_at`` (now, when
+    None) as its commit time; the caller makes the checkpoint visible with that same time
+    (``rec.committed_at``). ``facts``: the catalog's facts of it, when the caller read them
+    already (else they are read here)."""
+    when = committed_at if committed_at is not None else utcnow()
     rec = record_from_catalog(
         catalog, ckpt_id, committed_at=when, metrics=metrics, tags=tags, entries=entries,
         stored_bytes_added=stored_bytes_added, facts=facts,
