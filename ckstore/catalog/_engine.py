@@ -226,8 +226,8 @@ def write_txn(engine: Engine, lock: str | None = None, *, durable: bool = True) 
     ``synchronous_commit=off`` for this transaction): a power loss or operating-system crash
     may lose it, a process crash cannot. The next durable transaction makes it durable too,
     since both write-ahead logs are flushed in order. A commit's earlier steps (pending row,
-    claim, chunk rows) are such transactions: losing them leaves garbage, never a visible
-    checkpoint, and the commit's final, durable transaction flushes them with it.
+    claim; a streamed commit's chunk rows) are such transactions: losing them leaves garbage,
+    never a visible checkpoint, and the commit's final, durable transaction flushes them with it.
     """
     pg = engine.dialect.name == "postgresql"
     with engine.connect() as conn:

@@ -23,9 +23,10 @@ what, in order:
    scatter      to each rank: the chunks it writes and its pack keys
 4. every rank   encodes its chunks and writes its packs (``write``) straight to the blob store, in parallel
    gather       each rank's packs and manifests, to rank 0
-5. rank 0       records every rank's packs' chunks in one transaction (and drops the rows of
-                packs left unwritten), writes the checkpoint's record, then makes the checkpoint
-                visible in one transaction (``finish``)
+5. rank 0       in one transaction (``finish``): records every rank's packs' chunks (and drops
+                the rows of packs left unwritten), writes the checkpoint's record (on the pool,
+                while the transaction goes on; durable before its COMMIT) and makes the
+                checkpoint visible
    broadcast    the checkpoint, or the error: every rank returns the same record
 
 Only rank 0 talks to the catalog. Rank 0 checks its lease before each of its steps and before
