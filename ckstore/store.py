@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ._collector import collector_paused
 from .blobstore import BlobStore
-from .catalog import Catalog
+from .catalog import Catalog, CheckoutRows, ChunkLocation
 from .config import StoreConfig
 from .errors import (
     CheckpointNotFoundError,
@@ -46,6 +46,39 @@ def _default_workers() -> int:
     # threads for hashing, zstd and reads: all release the GIL, and reads wait on the disk or
     # network, so a few more threads than cores keep both busy
     return max(4, min(16, 2 * (os.cpu_count() or 2)))
+
+
+def _scope(
+    ckpt: Checkpoint, world_layout: WorldLayout | None, rank_list: list[int] | None, sub_keys: list[str] | None
+) -> tuple[list[int] | None, list[str] | None]:
+    """The ranks and sub-checkpoints whose entries a checkout of ``ckpt`` reads (None: all);
+    refuses ones the checkpoint does not have."""
+    target = None if world_layout is None or world_layout == ckpt.world_layout else world_layout
+    if sub_keys is not None:
+        unknown = set(sub_keys) - set(ckpt.sub_keys)
+        if unknown:
+            raise CheckpointNotFoundError(
+                f"run {ckpt.run!r}, step {ckpt.step} has no sub-checkpoint {sorted(unknown)}; it has {list(ckpt.sub_keys)}"
+            )
+    if target is None and rank_list is not None:
+        unknown_ranks = set(rank_list) - set(ckpt.ranks)
+        if unknown_ranks:
+            raise CheckpointNotFoundError(
+                f"run {ckpt.run!r}, step {ckpt.step} was saved by ranks {list(ckpt.ranks)}, not {sorted(unknown_ranks)}"
+            )
+    # a plain checkout reads only the ranks asked for; resharding needs every rank's manifest
+    return (rank_list if target is None else None), sub_keys
+
+
+def _known_locations(
+    known: Mapping[bytes, ChunkLocation], lookup: Callable[[list[bytes]], dict[bytes, ChunkLocation]], digests: list[bytes]
+) -> dict[bytes, ChunkLocation]:
+    """Locations from ``known``; digests it lacks (a damaged reference) are looked up."""
+    out = {d: known[d] for d in digests if d in known}
+    missing = [d for d in digests if d not in out]
+    if missing:
+        out.update(lookup(missing))
+    return out
 
 
 class Store:
@@ -240,22 +273,31 @@ class Store:
         """
         from .commit import collective as _dist
 
-        ckpt = self.resolve(ref, run=run)
         group = _dist.active_group(process_group)
         if group is not None and ranks is None:
             ranks = _dist.own_ranks(group, world_layout)
-        return self.load(
-            ckpt, world_layout, ranks=ranks, sub_keys=sub_keys, allow_pickle=allow_pickle, fallback=fallback,
-            device=device,
-        )  # fmt: skip
+        rank_list = None if ranks is None else sorted(set(ranks))
+        keys = None if sub_keys is None else list(sub_keys)
+        with collector_paused():  # see ckstore._collector
+            # the checkpoint, its entries and (for all of it) its chunks' locations: one snapshot
+            rows = self.catalog.checkout_rows(
+                parse_ref(ref), run or self.run, lambda ckpt: _scope(ckpt, world_layout, rank_list, keys),
+                locations=rank_list is None and keys is None,
+            )  # fmt: skip
+            return self._load(
+                rows.checkpoint, world_layout, rank_list, keys, allow_pickle=allow_pickle, fallback=fallback,
+                device=device, rows=rows,
+            )  # fmt: skip
 
     def manifests(self, ckpt: Checkpoint, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None) -> dict[tuple[int, str], Manifest]:
+        return self._manifests(ckpt, self.catalog.entries(ckpt.id, ranks=ranks, sub_keys=sub_keys))
+
+    @staticmethod
+    def _manifests(ckpt: Checkpoint, entries: Iterable[tuple[int, str, bytes]]) -> dict[tuple[int, str], Manifest]:
         return {
-            (r, k): Manifest.from_bytes(m, f"run {ckpt.run!r}, step {ckpt.step}, rank {r}, {k}")
-            for r, k, m in self.catalog.entries(ckpt.id, ranks=ranks, sub_keys=sub_keys)
+            (r, k): Manifest.from_bytes(m, f"run {ckpt.run!r}, step {ckpt.step}, rank {r}, {k}") for r, k, m in entries
         }
 
-    @collector_paused()  # see ckstore._collector
     def load(
         self,
         ckpt: Checkpoint,
@@ -269,6 +311,28 @@ class Store:
         device: Any = None,
     ) -> dict[int, dict[str, Any]]:
         """Check out an already resolved checkpoint (see :meth:`checkout`)."""
+        rank_list = None if ranks is None else sorted(set(ranks))
+        keys = None if sub_keys is None else list(sub_keys)
+        return self._load(
+            ckpt, world_layout, rank_list, keys, allow_pickle=allow_pickle, fallback=fallback, progress=progress,
+            device=device,
+        )  # fmt: skip
+
+    @collector_paused()  # see ckstore._collector
+    def _load(
+        self,
+        ckpt: Checkpoint,
+        world_layout: WorldLayout | None,
+        rank_list: list[int] | None,
+        sub_keys: list[str] | None,
+        *,
+        allow_pickle: bool = False,
+        fallback: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        device: Any = None,
+        rows: CheckoutRows | None = None,
+    ) -> dict[int, dict[str, Any]]:
+        """:meth:`load`; ``rows``: what :meth:`checkout` read of the catalog already."""
         import torch
 
         from .checkout.executor import execute_plan
@@ -276,23 +340,12 @@ class Store:
         from .format.tensorio import dtype_from_name, itemsize, to_device, unflatten
 
         dev = torch.device(device) if device is not None else None
-        rank_list = None if ranks is None else sorted(set(ranks))
         target = None if world_layout is None or world_layout == ckpt.world_layout else world_layout
-        if sub_keys is not None:
-            sub_keys = list(sub_keys)
-            unknown = set(sub_keys) - set(ckpt.sub_keys)
-            if unknown:
-                raise CheckpointNotFoundError(
-                    f"run {ckpt.run!r}, step {ckpt.step} has no sub-checkpoint {sorted(unknown)}; it has {list(ckpt.sub_keys)}"
-                )
-        if target is None and rank_list is not None:
-            unknown_ranks = set(rank_list) - set(ckpt.ranks)
-            if unknown_ranks:
-                raise CheckpointNotFoundError(
-                    f"run {ckpt.run!r}, step {ckpt.step} was saved by ranks {list(ckpt.ranks)}, not {sorted(unknown_ranks)}"
-                )
-        # a plain checkout reads only the ranks asked for; resharding needs every rank's manifest
-        mans = self.manifests(ckpt, ranks=rank_list if target is None else None, sub_keys=sub_keys)
+        if rows is not None:
+            mans = self._manifests(ckpt, rows.entries)
+        else:
+            entry_ranks, entry_keys = _scope(ckpt, world_layout, rank_list, sub_keys)
+            mans = self._manifests(ckpt, self.catalog.entries(ckpt.id, ranks=entry_ranks, sub_keys=entry_keys))
         if not mans and ckpt.ranks:
             raise CheckpointNotFoundError(
                 f"run {ckpt.run!r}, step {ckpt.step} was deleted (by gc or `ckstore rm`) while it was being checked out"
@@ -310,7 +363,9 @@ class Store:
 
         accel = dev if dev is not None and dev.type != "cpu" else None
         locate = self.catalog.chunk_locations
-        if rank_list is None and sub_keys is None:  # every chunk of the checkpoint: one query
+        if rows is not None and rows.locations is not None:  # every chunk's, read with the entries
+            locate = partial(_known_locations, rows.locations, self.catalog.chunk_locations)
+        elif rank_list is None and sub_keys is None:  # every chunk of the checkpoint: one query
             locate = partial(self.catalog.chunk_locations, checkpoint_id=ckpt.id)
         try:
             tensors = execute_plan(

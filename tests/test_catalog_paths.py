@@ -92,7 +92,7 @@ def test_a_whole_checkout_finds_its_chunks_in_one_query_and_a_damaged_reference_
     store: ckstore.Store,
 ) -> None:
     """A checkout of every rank and sub-checkpoint reads its chunks' locations through the
-    checkpoint's references, in one query; a chunk whose reference went missing (a damaged
+    checkpoint's references, in one query, in the transaction that resolved it; a chunk whose reference went missing (a damaged
     catalog) is still found by its digest. A checkout of one rank looks its chunks up by digest."""
     states = {r: {"model_states": {f"w{i}": torch.full((3000,), float(r * 100 + i)) for i in range(40)}} for r in (0, 1)}
     ck = store.commit(1, states)
@@ -103,9 +103,17 @@ def test_a_whole_checkout_finds_its_chunks_in_one_query_and_a_damaged_reference_
             locating.append(" ".join(statement.split()))
 
     event.listen(store.catalog.engine, "before_cursor_execute", seen)
+    begun: list[object] = []
+
+    def began(conn: object) -> None:
+        begun.append(conn)
+
+    event.listen(store.catalog.engine, "begin", began)
     out = store.checkout(1)
     assert_same(out, states)
     assert len(locating) == 1 and "chunk_refs" in locating[0], locating
+    assert len(begun) == 1  # the ref, the entries and the locations: one snapshot
+    event.remove(store.catalog.engine, "begin", began)
 
     locating.clear()
     one = store.checkout(1, ranks=[1])

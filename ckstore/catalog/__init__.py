@@ -8,16 +8,18 @@ ckstore calls :class:`Catalog`'s named methods.
 Call order of a commit (one process, or rank 0 of a distributed commit)::
 
     begin_checkpoint  →  claim_and_register  →  (every rank writes its packs)
-                      →  record_packs  →  (the record is written)  →  finish_checkpoint
-                                                           (or abort_checkpoint on failure)
+                      →  finish_checkpoint(packs, record)   (or abort_checkpoint on failure)
 
 ``claim_and_register`` references the chunks the catalog has and, in the same transaction,
-records every pack the commit may write (an upper bound: ``record_packs`` drops the rows of
-those left unwritten, and returns what the checkpoint's record needs). Commits that stream their
-chunks (DCP's storage writer, imports) record each pack as they go: ``claim_chunks`` →
-(``register_pack`` → write the pack → ``add_chunks``)*. Only ``finish_checkpoint`` waits for
-the disk; the transactions before it do not, and it makes them durable with it (see
-``write_txn`` in ``_engine``).
+records every pack the commit may write (an upper bound). ``finish_checkpoint`` then records
+every written pack's chunk rows, drops the rows of the packs left unwritten, hands what the
+checkpoint's record needs to the commit's ``record`` hook (which writes the record while the
+transaction goes on, durable before its COMMIT) and makes the checkpoint visible, in one
+transaction. Commits that stream their chunks (DCP's storage writer, imports) record each pack
+as they go: ``claim_chunks`` → (``register_pack`` → write the pack → ``add_chunks``)* → (the
+record is written) → ``finish_checkpoint``. Only ``finish_checkpoint`` waits for the disk; the
+transactions before it do not, and it makes them durable with it (see ``write_txn`` in
+``_engine``).
 
 ``heartbeat`` may be called from another thread at any time in between. Every method is safe to
 call from many processes at once; ``docs/format.md`` explains why garbage collection running at
@@ -37,7 +39,7 @@ from ._commit import CommitMixin
 from ._engine import describe_database_error, redact
 from ._gc import Candidate, GcMixin, GcTransaction, Swept
 from ._owner import Owner
-from ._queries import CorruptRowWarning
+from ._queries import CheckoutRows, CorruptRowWarning
 from ._records import Ident, RecordFacts, RecordsMixin, RestoredChunk
 from ._repack import RepackCandidate, RepackMixin
 from ._rows import ChunkLocation, ChunkRow, NewChunk, Pending, aware, utcnow
@@ -49,6 +51,7 @@ __all__ = [
     "Candidate",
     "Catalog",
     "CheckpointId",
+    "CheckoutRows",
     "ChunkLocation",
     "ChunkSpan",
     "CorruptRowWarning",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from ._rows import (
 )
 from ._schema import COMMITTED, PENDING
 
-__all__ = ["CorruptRowWarning", "Loaded", "QueriesMixin", "load_records", "resolve_ref"]
+__all__ = ["CheckoutRows", "CorruptRowWarning", "Loaded", "QueriesMixin", "load_records", "resolve_ref"]
 
 
 class CorruptRowWarning(UserWarning):
@@ -301,21 +301,40 @@ class QueriesMixin(CatalogBase):
             found = resolve_ref(conn, ref, run)
             return load_records(conn, [found]).one(found)
 
+    def checkout_rows(
+        self,
+        ref: Ref,
+        default_run: str | None,
+        scope: Callable[[Checkpoint], tuple[Iterable[int] | None, Iterable[str] | None]],
+        *,
+        locations: bool,
+    ) -> CheckoutRows:
+        """What a checkout reads of the catalog, from one snapshot: the checkpoint ``ref`` names
+        (as :meth:`resolve`), its entries for the ranks and sub-checkpoints ``scope`` picks once
+        it is known (None: all; ``scope`` may raise to refuse the checkout), and with
+        ``locations`` (a checkout of all of it) every chunk location the checkpoint references
+        (as :meth:`chunk_locations` with ``checkpoint_id``). One read transaction instead of
+        three: a 4 MiB checkout from the page cache spent a fifth of its time opening and
+        closing them."""
+        run = ref.run or default_run
+        with self._read() as conn:
+            if run is not None:
+                run_id(conn, run)
+            found = resolve_ref(conn, ref, run)
+            ckpt = load_records(conn, [found]).one(found)
+            ranks, sub_keys = scope(ckpt)
+            entries = _entries(conn, found, ranks, sub_keys)
+            where = None
+            if locations:
+                where = {bytes(r.digest): _location(r) for r in execute(conn, _LOCATIONS_OF, {"ckpt": found}).all()}
+        return CheckoutRows(ckpt, entries, where)
+
     def entries(
         self, ckpt_id: int, *, ranks: Iterable[int] | None = None, sub_keys: Iterable[str] | None = None
     ) -> list[tuple[int, str, bytes]]:
         """``(rank, sub_key, manifest)`` of a checkpoint's entries, by rank."""
         with self._read() as conn:
-            if ranks is None and sub_keys is None:
-                rows: Iterable[Any] = execute(conn, _ENTRIES, {"ckpt": ckpt_id})
-            else:
-                q = _ENTRIES
-                if ranks is not None:
-                    q = q.where(ENTRIES.c.rank.in_(list(ranks)))
-                if sub_keys is not None:
-                    q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
-                rows = conn.execute(q, {"ckpt": ckpt_id})
-            return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in rows]
+            return _entries(conn, ckpt_id, ranks, sub_keys)
 
     def chunk_locations(
         self, digests: Iterable[bytes], *, checkpoint_id: int | None = None
@@ -334,13 +353,11 @@ class QueriesMixin(CatalogBase):
                 for r in execute(conn, _LOCATIONS_OF, {"ckpt": checkpoint_id}).all():
                     d = bytes(r.digest)
                     if d in want:
-                        out[d] = ChunkLocation(r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec))
+                        out[d] = _location(r)
                 wanted = [d for d in wanted if d not in out]
             for batch in batches(wanted):
                 for r in execute(conn, _LOCATIONS, {"digests": batch}).all():
-                    out[bytes(r.digest)] = ChunkLocation(
-                        r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec)
-                    )
+                    out[bytes(r.digest)] = _location(r)
         return out
 
     def is_empty(self) -> bool:
@@ -362,6 +379,36 @@ class QueriesMixin(CatalogBase):
         """Remove a committed checkpoint's rows (its chunk references go with it)."""
         with self._write(lock="shared") as conn:
             conn.execute(delete(CHECKPOINTS).where(CHECKPOINTS.c.id == ckpt_id))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckoutRows:
+    """What :meth:`QueriesMixin.checkout_rows` read: the checkpoint, its ``(rank, sub_key,
+    manifest)`` entries, and the locations of every chunk it references (None unless asked
+    for)."""
+
+    checkpoint: Checkpoint
+    entries: list[tuple[int, str, bytes]]
+    locations: dict[bytes, ChunkLocation] | None
+
+
+def _entries(
+    conn: Connection, ckpt_id: int, ranks: Iterable[int] | None, sub_keys: Iterable[str] | None
+) -> list[tuple[int, str, bytes]]:
+    if ranks is None and sub_keys is None:
+        rows: Iterable[Any] = execute(conn, _ENTRIES, {"ckpt": ckpt_id})
+    else:
+        q = _ENTRIES
+        if ranks is not None:
+            q = q.where(ENTRIES.c.rank.in_(list(ranks)))
+        if sub_keys is not None:
+            q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
+        rows = conn.execute(q, {"ckpt": ckpt_id})
+    return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in rows]
+
+
+def _location(r: Any) -> ChunkLocation:
+    return ChunkLocation(r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec))
 
 
 def pending_checkpoints(conn: Connection) -> list[Pending]:
