@@ -75,8 +75,8 @@ def _run_child(store: Path, point: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-#: the points a single-process commit passes before it opens its pending checkpoint
-BEFORE_PENDING = ("stage", "declare")
+#: the points a single-process commit passes before it opens its pending checkpoint (with its claim)
+BEFORE_PENDING = ("stage", "declare", "hash")
 
 
 @pytest.mark.parametrize("point", POINTS)

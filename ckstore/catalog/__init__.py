@@ -11,7 +11,8 @@ Call order of a commit (one process, or rank 0 of a distributed commit)::
                       →  finish_checkpoint(packs, record)   (or abort_checkpoint on failure)
 
 ``claim_and_register`` references the chunks the catalog has and, in the same transaction,
-records every pack the commit may write (an upper bound). ``finish_checkpoint`` then records
+records every pack the commit may write (an upper bound); a single process, which hashes its
+chunks before it opens its pending checkpoint, does both in one ``begin_and_claim``. ``finish_checkpoint`` then records
 every written pack's chunk rows, drops the rows of the packs left unwritten, hands what the
 checkpoint's record needs to the commit's ``record`` hook (which writes the record while the
 transaction goes on, durable before its COMMIT) and makes the checkpoint visible, in one

@@ -122,52 +122,54 @@ class CommitMixin(RunsMixin):
         one raises :class:`CommitInProgressError`. When this fails, the owner is no longer live:
         a pending row the failure left behind is taken over by the next commit of the step.
         """
+        args = (run, step, kind, replace, owner, world_layout, lease_seconds, parent_checkpoint_id, fork_point)
+        return self._opening(args, None, None)[0]
+
+    def begin_and_claim(
+        self,
+        run: str,
+        step: int,
+        *,
+        kind: str,
+        replace: bool,
+        owner: Owner,
+        world_layout: WorldLayout,
+        lease_seconds: float,
+        parent_checkpoint_id: int | None = None,
+        fork_point: bool = False,
+        digests: Iterable[bytes],
+        keys_for: Callable[[set[bytes]], Sequence[str]],
+    ) -> tuple[int, set[bytes], list[tuple[str, int]]]:
+        """:meth:`begin_checkpoint` and :meth:`claim_and_register` in one transaction, for a
+        commit that knows its chunks before it opens its pending checkpoint (a single process
+        hashes first): the pending checkpoint's id, the digests the catalog does not have, and
+        the ``(key, id)`` of the packs ``keys_for(missing)`` names. One transaction fewer a
+        commit (its BEGIN, ownership check and COMMIT)."""
+        args = (run, step, kind, replace, owner, world_layout, lease_seconds, parent_checkpoint_id, fork_point)
+        ckpt_id, claimed = self._opening(args, (list(digests), keys_for), "shared")
+        assert claimed is not None
+        return ckpt_id, claimed[0], claimed[1]
+
+    def _opening(
+        self,
+        args: tuple[Any, ...],
+        claim: tuple[list[bytes], Callable[[set[bytes]], Sequence[str]]] | None,
+        lock: str | None,
+    ) -> tuple[int, tuple[set[bytes], list[tuple[str, int]]] | None]:
+        """Open the pending checkpoint (``args``: :meth:`begin_checkpoint`'s), then claim and
+        register in the same transaction when ``claim`` is given; retried when another commit of
+        the step inserted its row meanwhile."""
+        owner = args[4]
         mark_live(owner.nonce, True)  # until finish_checkpoint, abort_checkpoint or a failure here
         for attempt in range(3):
             try:
-                with self._write(durable=False) as conn:
-                    origin = execute(conn, RUN_ORIGIN, {"name": run}).first()
-                    rid = int(origin.id) if origin is not None else self._run_id(conn, run, create=True)
-                    parent = parent_checkpoint_id
-                    if parent is None and fork_point and origin is not None:
-                        parent = _fork_point(conn, rid, origin.parent_checkpoint_id, origin.parent_ref)
-                    rows = execute(conn, _STEP_ROWS, {"run": rid, "step": step}).all()
-                    now = utcnow()
-                    for r in rows:
-                        if r.status == COMMITTED and not replace:
-                            raise AlreadyExistsError(
-                                f"run {run!r} already has a checkpoint at step {step}; pass replace=True "
-                                "to overwrite it, or commit another step"
-                            )
-                        if r.status == PENDING:
-                            prev = Owner.parse(r.owner)
-                            age = (now - aware(r.heartbeat_at)).total_seconds()
-                            # a dead process, or a lease not renewed in time, gives the step up
-                            if prev.alive_here() is not False and age < lease_seconds:
-                                raise CommitInProgressError(
-                                    f"step {step} of run {run!r} is being committed right now by "
-                                    f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
-                                    "finish or commit another step"
-                                )
-                            execute(conn, _DROP_CHECKPOINT, {"ckpt": r.id})
-                    new_id = execute(
-                        conn,
-                        _NEW_CHECKPOINT,
-                        {
-                            "run_id": rid,
-                            "step": step,
-                            "status": PENDING,
-                            "kind": kind,
-                            "created_at": now,
-                            "heartbeat_at": now,
-                            "owner": str(owner),
-                            "world_layout": json.dumps(world_layout.to_json()),
-                            "logical_bytes": 0,
-                            "stored_bytes_added": 0,
-                            "parent_checkpoint_id": parent,
-                        },
-                    ).scalar()
-                    return int(new_id)
+                with self._write(lock=lock, durable=False) as conn:
+                    ckpt_id = self._begin(conn, *args)
+                    if claim is None:
+                        return ckpt_id, None
+                    missing = self._claim(conn, ckpt_id, claim[0])
+                    keys = list(claim[1](missing))
+                    return ckpt_id, (missing, list(zip(keys, self._register(conn, ckpt_id, keys))))
             except BaseException as e:
                 if isinstance(e, sa_exc.IntegrityError) and attempt < 2:
                     continue  # another commit of the step inserted its row meanwhile: look again
@@ -176,6 +178,62 @@ class CommitMixin(RunsMixin):
                 mark_live(owner.nonce, False)
                 raise
         raise AssertionError("unreachable")
+
+    def _begin(
+        self,
+        conn: Connection,
+        run: str,
+        step: int,
+        kind: str,
+        replace: bool,
+        owner: Owner,
+        world_layout: WorldLayout,
+        lease_seconds: float,
+        parent_checkpoint_id: int | None,
+        fork_point: bool,
+    ) -> int:
+        origin = execute(conn, RUN_ORIGIN, {"name": run}).first()
+        rid = int(origin.id) if origin is not None else self._run_id(conn, run, create=True)
+        parent = parent_checkpoint_id
+        if parent is None and fork_point and origin is not None:
+            parent = _fork_point(conn, rid, origin.parent_checkpoint_id, origin.parent_ref)
+        rows = execute(conn, _STEP_ROWS, {"run": rid, "step": step}).all()
+        now = utcnow()
+        for r in rows:
+            if r.status == COMMITTED and not replace:
+                raise AlreadyExistsError(
+                    f"run {run!r} already has a checkpoint at step {step}; pass replace=True "
+                    "to overwrite it, or commit another step"
+                )
+            if r.status == PENDING:
+                prev = Owner.parse(r.owner)
+                age = (now - aware(r.heartbeat_at)).total_seconds()
+                # a dead process, or a lease not renewed in time, gives the step up
+                if prev.alive_here() is not False and age < lease_seconds:
+                    raise CommitInProgressError(
+                        f"step {step} of run {run!r} is being committed right now by "
+                        f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
+                        "finish or commit another step"
+                    )
+                execute(conn, _DROP_CHECKPOINT, {"ckpt": r.id})
+        new_id = execute(
+            conn,
+            _NEW_CHECKPOINT,
+            {
+                "run_id": rid,
+                "step": step,
+                "status": PENDING,
+                "kind": kind,
+                "created_at": now,
+                "heartbeat_at": now,
+                "owner": str(owner),
+                "world_layout": json.dumps(world_layout.to_json()),
+                "logical_bytes": 0,
+                "stored_bytes_added": 0,
+                "parent_checkpoint_id": parent,
+            },
+        ).scalar()
+        return int(new_id)
 
     def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
         row = execute(conn, _OWN, {"ckpt": ckpt_id}).first()

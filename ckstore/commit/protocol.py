@@ -12,7 +12,8 @@ what, in order:
                 written before this step has passed everywhere
    all-gather   the declarations (``declare``): every rank derives the same global shapes and offsets (an
                 inconsistent declaration raises the same error on every rank)
-2. rank 0       opens the pending checkpoint and keeps its lease alive until the end (``hash``)
+2. rank 0       opens the pending checkpoint and keeps its lease alive until the end (``hash``;
+                a group of one opens it in step 3's transaction instead)
    every rank   hashes its staged chunks
    gather       each rank's chunk digests and sizes, to rank 0
 3. rank 0       references the chunks the store already has (``plan_writes``); picks exactly one writer among the
@@ -286,17 +287,9 @@ class StagedCommit:
 
         def local() -> tuple[bytes, list[int]]:
             assert self.pool is not None and self.args is not None and self.layout is not None
-            if g.rank == 0:
-                a, catalog = self.args, self.ctx.catalog
-                parent_id = self.parent(a.run) if self.parent is not None else None
-                self.ckpt_id = catalog.begin_checkpoint(
-                    a.run, a.step, kind=a.kind, replace=self.replace, owner=self.owner, world_layout=self.layout,
-                    lease_seconds=self.cfg.lease_seconds, parent_checkpoint_id=parent_id,
-                    fork_point=self.parent is not None,
-                )  # fmt: skip
-                self.heartbeat = self.stack.enter_context(
-                    Heartbeat(catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
-                )
+            if g.rank == 0 and g.size > 1:  # (a group of one opens it with its claim)
+                self.ckpt_id = self.ctx.catalog.begin_checkpoint(**self._begin_kwargs())
+                self._start_heartbeat()
             _stage.hash_staged(self.entries, self.staged, self.specs, cs, self.pool)
             if self.staging is not None:  # what its places hold now, for the next commit through it
                 self.staging.held = [st.digests for st in self.staged]
@@ -313,13 +306,29 @@ class StagedCommit:
         if gathered is not None:
             self.holdings = [list(zip(_split(h[0]), h[1])) if h is not None else [] for h in gathered]
 
+    def _begin_kwargs(self) -> dict[str, Any]:
+        """The pending checkpoint's :meth:`~ckstore.catalog.Catalog.begin_checkpoint` arguments."""
+        a = self.args
+        assert a is not None and self.layout is not None
+        return {
+            "run": a.run, "step": a.step, "kind": a.kind, "replace": self.replace, "owner": self.owner,
+            "world_layout": self.layout, "lease_seconds": self.cfg.lease_seconds, "fork_point": self.parent is not None,
+            "parent_checkpoint_id": self.parent(a.run) if self.parent is not None else None,
+        }  # fmt: skip
+
+    def _start_heartbeat(self) -> None:
+        assert self.ckpt_id is not None
+        self.heartbeat = self.stack.enter_context(
+            Heartbeat(self.ctx.catalog, self.ckpt_id, self.owner, self.cfg.lease_seconds / 4)
+        )
+
     def plan_writes(self) -> None:
         """Step 3: rank 0 claims existing chunks, picks writers and records every rank's pack
         keys, in one catalog transaction."""
         g, cfg = self.g, self.cfg
 
         def local() -> list[Any]:
-            assert self.holdings is not None and self.ckpt_id is not None
+            assert self.holdings is not None and (self.ckpt_id is not None or g.size == 1)
             self.check_lease()
             catalog, holdings = self.ctx.catalog, self.holdings
             wanted = list(dict.fromkeys(d for items in holdings for d, _ in items))
@@ -344,7 +353,13 @@ class StagedCommit:
                 needed[:] = [packs_needed(sum(sizes[d] for d in p), len(p), cfg.pack_size) for p in plan]
                 return [new_pack_key() for _ in range(sum(needed))]
 
-            _, registered = catalog.claim_and_register(self.ckpt_id, self.owner, wanted, keys_for)
+            if self.ckpt_id is None:  # a group of one: the pending checkpoint opens with its claim
+                self.ckpt_id, _, registered = catalog.begin_and_claim(
+                    **self._begin_kwargs(), digests=wanted, keys_for=keys_for
+                )
+                self._start_heartbeat()
+            else:
+                _, registered = catalog.claim_and_register(self.ckpt_id, self.owner, wanted, keys_for)
             self.registered = [pack_id for _, pack_id in registered]
             ids = iter(registered)
             return [(_join(p), [next(ids) for _ in range(n)]) for p, n in zip(plan, needed)]
