@@ -48,6 +48,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .._crash import crash_point
@@ -80,6 +81,14 @@ __all__ = ["CommitContext", "start", "StagedCommit", "assign_writers", "Heartbea
 #: Who writes a chunk several ranks hold: "assigned" (one rank, picked by rank 0) or "all"
 #: (every holder writes its copy; later copies are dead bytes in their packs until gc).
 WRITERS = ("assigned", "all")
+
+#: a record naming at most this many chunks is written alongside the finishing transaction
+_RECORD_ALONGSIDE = 256
+
+
+def _nothing() -> None:
+    return None
+
 
 # a frame is its raw bytes plus a header and, for byte planes, one u32 per plane (16 at most)
 _MAX_FRAME_OVERHEAD = HEADER_SIZE + 4 * 16
@@ -425,9 +434,16 @@ class StagedCommit:
             assert pool is not None
 
             def record(added: int, facts: RecordFacts) -> Callable[[], object]:
-                # the checkpoint's record in the blob store, written on the pool while the
-                # finishing transaction's statements run; durable before its COMMIT
-                return pool.submit(write_record, self.ctx, ckpt_id, args, manifests, added, facts, when).result
+                # the checkpoint's record in the blob store, durable before the finishing
+                # transaction's COMMIT. A small record is written on the pool while the
+                # transaction's statements run (its time is the disk's); a large one is mostly
+                # Python encoding it, which would hold the GIL the statements wait for between
+                # their driver calls: it is written here, first
+                job = partial(write_record, self.ctx, ckpt_id, args, manifests, added, facts, when)
+                if len(facts.chunks) > _RECORD_ALONGSIDE:
+                    job()
+                    return _nothing
+                return pool.submit(job).result
 
             # every pack's chunk rows, the record, and the checkpoint made visible: one transaction
             ckpt = catalog.finish_checkpoint(
