@@ -24,8 +24,8 @@ The points, in the order a commit reaches them (docs/reliability.md, "Kill point
     every pack's chunk rows are inserted (rank 0, in ``finish``, inside the transaction that
     makes the checkpoint visible, not yet committed), the record not yet written
 ``record.written``
-    the checkpoint's record is written to the blob store (on a worker thread, while that
-    transaction runs), the checkpoint not yet visible
+    the checkpoint's record is written to the blob store (on a worker thread while that
+    transaction runs, or first when it names many chunks), the checkpoint not yet visible
 ``finish.transaction``
     inside the transaction that makes the checkpoint visible, before its COMMIT
 """

@@ -25,9 +25,9 @@ what, in order:
 4. every rank   encodes its chunks and writes its packs (``write``) straight to the blob store, in parallel
    gather       each rank's packs and manifests, to rank 0
 5. rank 0       in one transaction (``finish``): records every rank's packs' chunks (and drops
-                the rows of packs left unwritten), writes the checkpoint's record (on the pool,
-                while the transaction goes on; durable before its COMMIT) and makes the
-                checkpoint visible
+                the rows of packs left unwritten), writes the checkpoint's record (on the pool
+                while the transaction goes on, or first when it names many chunks; durable
+                before its COMMIT) and makes the checkpoint visible
    broadcast    the checkpoint, or the error: every rank returns the same record
 
 Only rank 0 talks to the catalog. Rank 0 checks its lease before each of its steps and before
