@@ -69,8 +69,18 @@ def _when(seen: list[tuple[str, str]], prefix: str) -> str:
 def _check(store: ckstore.Store) -> None:
     store.commit(1, sample_states(1))  # a first commit: the run exists, the store has chunks
     seen = _watch(store)
+    begun: list[object] = []
+
+    def began(conn: object) -> None:
+        begun.append(conn)
+
+    event.listen(store.catalog.engine, "begin", began)
     store.commit(2, sample_states(2))
+    event.remove(store.catalog.engine, "begin", began)
     assert [(prefix, _when(seen, prefix)) for prefix, _ in _COMMIT] == _COMMIT
+    # a single process's commit: the pending row with the claim, then the chunk rows with the
+    # record and the checkpoint made visible
+    assert len(begun) == 2, seen
     seen.clear()
     store.tag(2, "best")  # an ordinary write: waits, also on a connection a commit left
     assert _when(seen, "INSERT INTO tags") == "waits"
