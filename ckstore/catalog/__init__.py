@@ -12,11 +12,11 @@ Call order of a commit (one process, or rank 0 of a distributed commit)::
 
 ``claim_and_register`` references the chunks the catalog has and, in the same transaction,
 records every pack the commit may write (an upper bound); a single process, which hashes its
-chunks before it opens its pending checkpoint, does both in one ``begin_and_claim``. ``finish_checkpoint`` then records
-every written pack's chunk rows, drops the rows of the packs left unwritten, hands what the
-checkpoint's record needs to the commit's ``record`` hook (which writes the record while the
-transaction goes on, durable before its COMMIT) and makes the checkpoint visible, in one
-transaction. Commits that stream their chunks (DCP's storage writer, imports) record each pack
+chunks before it opens its pending checkpoint, does both in one ``begin_and_claim``.
+``finish_checkpoint`` then records every written pack's chunk rows, drops the rows of the packs
+left unwritten, hands what the checkpoint's record needs to the commit's ``record`` hook (which
+writes the record, while the transaction goes on or at once; durable before its COMMIT) and
+makes the checkpoint visible, in one transaction. Commits that stream their chunks (DCP's storage writer, imports) record each pack
 as they go: ``claim_chunks`` → (``register_pack`` → write the pack → ``add_chunks``)* → (the
 record is written) → ``finish_checkpoint``. Only ``finish_checkpoint`` waits for the disk; the
 transactions before it do not, and it makes them durable with it (see ``write_txn`` in

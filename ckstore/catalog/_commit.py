@@ -123,7 +123,7 @@ class CommitMixin(RunsMixin):
         a pending row the failure left behind is taken over by the next commit of the step.
         """
         args = (run, step, kind, replace, owner, world_layout, lease_seconds, parent_checkpoint_id, fork_point)
-        return self._opening(args, None, None)[0]
+        return self._opening(owner, args, None, None)[0]
 
     def begin_and_claim(
         self,
@@ -146,12 +146,13 @@ class CommitMixin(RunsMixin):
         the ``(key, id)`` of the packs ``keys_for(missing)`` names. One transaction fewer a
         commit (its BEGIN, ownership check and COMMIT)."""
         args = (run, step, kind, replace, owner, world_layout, lease_seconds, parent_checkpoint_id, fork_point)
-        ckpt_id, claimed = self._opening(args, (list(digests), keys_for), "shared")
+        ckpt_id, claimed = self._opening(owner, args, (list(digests), keys_for), "shared")
         assert claimed is not None
         return ckpt_id, claimed[0], claimed[1]
 
     def _opening(
         self,
+        owner: Owner,
         args: tuple[Any, ...],
         claim: tuple[list[bytes], Callable[[set[bytes]], Sequence[str]]] | None,
         lock: str | None,
@@ -159,7 +160,6 @@ class CommitMixin(RunsMixin):
         """Open the pending checkpoint (``args``: :meth:`begin_checkpoint`'s), then claim and
         register in the same transaction when ``claim`` is given; retried when another commit of
         the step inserted its row meanwhile."""
-        owner = args[4]
         mark_live(owner.nonce, True)  # until finish_checkpoint, abort_checkpoint or a failure here
         for attempt in range(3):
             try:
