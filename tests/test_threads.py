@@ -55,13 +55,18 @@ def _in_child(queue: multiprocessing.Queue[int]) -> None:
 def test_a_forked_process_starts_threads_of_its_own() -> None:
     with TaskGroup("test-fork", 1) as group:  # the parent's pool has its thread running
         assert group.submit(lambda: 1).result() == 1
+    assert _forked(_in_child) == 42
+
+
+def _forked(target: Callable[[multiprocessing.Queue[int]], None]) -> int:
+    """Run ``target`` in a forked child; what it put in the queue."""
     ctx = multiprocessing.get_context("fork")
     queue: multiprocessing.Queue[int] = ctx.Queue()
-    child = ctx.Process(target=_in_child, args=(queue,))
+    child = ctx.Process(target=target, args=(queue,))
     child.start()
     child.join(60)
     assert child.exitcode == 0
-    assert queue.get(timeout=5) == 42
+    return queue.get(timeout=5)
 
 
 def test_the_timer_calls_until_stopped_or_told_no_more() -> None:
@@ -108,10 +113,4 @@ def test_a_forked_process_starts_a_timer_of_its_own() -> None:
     started = threading.Event()
     parent = every(0.005, lambda: started.set() or False)
     assert started.wait(60) and parent.stopped  # the parent's timer thread is running
-    ctx = multiprocessing.get_context("fork")
-    queue: multiprocessing.Queue[int] = ctx.Queue()
-    child = ctx.Process(target=_timer_in_child, args=(queue,))
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
-    assert queue.get(timeout=5) == 1
+    assert _forked(_timer_in_child) == 1
