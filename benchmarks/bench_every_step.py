@@ -12,6 +12,8 @@ modes, a fresh store with the retention policy ``LatestN(--keep-last) | BestN(--
 * ``async``: ``store.commit(step, {0: trainer.state()}, {"loss": loss}, blocking=False)`` after
   every step;
 * ``async-changed``: the same with ``stage="changed"`` (stages only the tensors that changed);
+* ``async-delta``: ``async`` into a store opened with ``delta_chain=--delta-chain``: each changed
+  chunk is stored as its XOR with the previous step's, where that is smaller;
 * ``blocking``: ``store.commit(step, {0: trainer.state()}, {"loss": loss})`` after every step.
 
 Every ``--gc-every`` steps ``store.gc()`` applies the policy: in the training loop (the default,
@@ -57,8 +59,13 @@ MODES = {
     "none": "no checkpointing",
     "async": "commit(blocking=False) every step",
     "async-changed": "commit(blocking=False, stage='changed') every step",
+    "async-delta": "commit(blocking=False) every step, deltas",
     "blocking": "commit() (blocking) every step",
 }
+
+
+def has_delta() -> bool:
+    return "delta_chain" in inspect.signature(ckstore.open).parameters
 
 
 def has_stage() -> bool:
@@ -119,7 +126,8 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, rnd: int) -> dict[
     path = root / f"{mode}-r{rnd}"
     store = gcs = None
     if mode != "none":
-        store = ckstore.open(path, run=RUN)
+        delta = {"delta_chain": args.delta_chain} if mode == "async-delta" else {}
+        store = ckstore.open(path, run=RUN, **delta)
         store.set_policy(RUN, LatestN(args.keep_last) | BestN(args.keep_best, "loss"))
         if args.gc_in == "thread":
             gcs = GcThread(path)
@@ -267,7 +275,7 @@ def report(
         "each commit added (compressed, after dedup).",
     ]  # fmt: skip
     if base:
-        for m in ("async", "async-changed", "blocking"):
+        for m in ("async", "async-changed", "async-delta", "blocking"):
             if m in med:
                 s = med[m]["total"] / base - 1
                 verdict = "meets" if s < TARGET_SLOWDOWN else "misses"
@@ -289,6 +297,9 @@ def main() -> None:
     ap.add_argument("--gc-in", choices=["loop", "thread"], default="loop", help="where gc runs")
     ap.add_argument("--keep-last", type=int, default=3)
     ap.add_argument("--keep-best", type=int, default=1, help="best N by the step's loss")
+    ap.add_argument(
+        "--delta-chain", type=int, default=4, help="async-delta's delta_chain (deltas per chain)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: as the demo)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
     ap.add_argument(
@@ -302,6 +313,9 @@ def main() -> None:
     if "async-changed" in modes and not has_stage():
         print("this ckstore has no commit(stage=...): async-changed left out", file=sys.stderr)
         modes.remove("async-changed")
+    if "async-delta" in modes and not has_delta():
+        print("this ckstore writes no deltas: async-delta left out", file=sys.stderr)
+        modes.remove("async-delta")
     if args.rounds < 1 or args.steps < 1 or args.gc_every < 1:
         ap.error("--rounds, --steps and --gc-every must be at least 1")
     # as the demo does, unless --threads says otherwise

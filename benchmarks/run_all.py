@@ -50,6 +50,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "bench_copy.py": ([], ["--commits", "4"]),
     "bench_diff.py": ([], ["--tensors", "4", "--mib", "2"]),
     "delta_codec.py": ([], ["--base", "3", "--distances", "1,2"]),
+    "bench_delta.py": ([], ["--steps", "4", "--warmup", "2", "--rounds", "1", "--reads", "3"]),
     "bench_planes.py": ([], ["--calls", "3"]),
     "bench_cli.py": ([], ["--rounds", "1"]),
     "gpu_check.py": (["--gib", "4"], ["--gib", "0.25"]),

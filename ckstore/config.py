@@ -23,6 +23,7 @@ __all__ = [
     "FORMAT_VERSION",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PACK_SIZE",
+    "MAX_DELTA_CHAIN",
     "check_no_secret",
     "expand",
 ]
@@ -31,6 +32,10 @@ CONFIG_KEY = "ckstore.json"
 FORMAT_VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
 DEFAULT_PACK_SIZE = 64 * 1024 * 1024
+#: the most deltas a reader decodes through to reach a chunk that is no delta (a writer's chains
+#: are as long as ``ckstore.open(..., delta_chain=N)`` says, at most this); a longer chain is
+#: refused as damaged
+MAX_DELTA_CHAIN = 16
 
 
 @dataclass(frozen=True, slots=True)

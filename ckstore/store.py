@@ -14,6 +14,7 @@ from .config import StoreConfig
 from .errors import (
     CheckpointNotFoundError,
     ChunkNotFoundError,
+    CkstoreError,
     StoreConfigError,
 )
 from .format.manifest import Manifest
@@ -109,6 +110,21 @@ class Store:
         self.workers = workers or _default_workers()
         self.max_inflight = max_inflight
         self._async: AsyncCommits | None = None
+        self._delta: Any = None  # a DeltaCache once write_deltas turned deltas on
+
+    def write_deltas(self, chain: int, memory: int | None = None) -> None:
+        """Write each changed chunk of later commits as a delta against the same chunk of the
+        previous commit through this store object, where that is smaller, through chains of at
+        most ``chain`` deltas (0: whole chunks only, the default); ``memory``: the most bytes of
+        the previous commit kept for it (1 GiB by default). See :func:`ckstore.open`."""
+        from .commit._delta import DEFAULT_DELTA_MEMORY, DeltaCache
+        from .config import MAX_DELTA_CHAIN
+
+        if not isinstance(chain, int) or isinstance(chain, bool) or not 0 <= chain <= MAX_DELTA_CHAIN:
+            raise CkstoreError(f"delta_chain must be an int from 0 (off) to {MAX_DELTA_CHAIN}, got {chain!r}")
+        if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 0):
+            raise CkstoreError(f"delta_memory must be a number of bytes (an int >= 0), got {memory!r}")
+        self._delta = DeltaCache(chain, DEFAULT_DELTA_MEMORY if memory is None else memory) if chain else None
 
     def __repr__(self) -> str:
         return f"Store({self.location!r}, run={self.run!r})"
@@ -244,7 +260,7 @@ class Store:
         from .diff.lineage import commit_parent
 
         return protocol.start(
-            protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run),
+            protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run, self._delta),
             step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
             world_layout=world_layout, allow_pickle=allow_pickle, parent=partial(commit_parent, self, parent),
             progress=progress, process_group=process_group, staging=staging, changed_only=changed_only,

@@ -16,6 +16,7 @@ from sqlalchemy import BindParameter, Connection, Integer, bindparam, delete, ex
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
+from ..config import MAX_DELTA_CHAIN
 from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
@@ -35,6 +36,7 @@ from ._rows import (
     ChunkRow,
     aware,
     batches,
+    reference_bases,
     utcnow,
 )
 from ._runs import RunsMixin
@@ -55,8 +57,15 @@ _HEARTBEAT = (
     .where(CHECKPOINTS.c.id == _ID, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == bindparam("who"))
     .values(heartbeat_at=bindparam("now"))
 )
-_FOUND = select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
+_FOUND = select(CHUNKS.c.id, CHUNKS.c.digest, CHUNKS.c.chain).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
 _ADDED = select(CHUNKS.c.pack_id, CHUNKS.c.length).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
+_DROP_REFS = delete(CHUNK_REFS).where(
+    CHUNK_REFS.c.checkpoint_id == _ID,
+    CHUNK_REFS.c.chunk_id.in_(select(CHUNKS.c.id).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))),
+)
+_BASES_OF = select(CHUNKS.c.base).where(
+    CHUNKS.c.digest.in_(bindparam("digests", expanding=True)), CHUNKS.c.base.is_not(None)
+)
 _PACK_SIZE = update(PACKS).where(PACKS.c.id == bindparam("pack")).values(size=bindparam("new_size"))
 _COMMITTED_AT_STEP = select(CHECKPOINTS.c.id).where(
     CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.step == bindparam("step"), CHECKPOINTS.c.status == COMMITTED
@@ -69,7 +78,7 @@ _REF_OF = (
     .join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
     .where(CHECKPOINTS.c.id == _ID, CHECKPOINTS.c.status == COMMITTED)
 )
-_CHUNK_COLUMNS = ("digest", "pack_id", "offset", "length", "raw_size", "codec")
+_CHUNK_COLUMNS = ("digest", "pack_id", "offset", "length", "raw_size", "codec", "base", "chain")
 _NEW_PACK = PACKS.insert().returning(PACKS.c.id)
 _RELEASE_PACKS = update(PACKS).where(PACKS.c.owner_checkpoint_id == _ID).values(owner_checkpoint_id=None)
 _NEW_CHECKPOINT = CHECKPOINTS.insert().returning(CHECKPOINTS.c.id)
@@ -139,14 +148,15 @@ class CommitMixin(RunsMixin):
         fork_point: bool = False,
         digests: Iterable[bytes],
         keys_for: Callable[[set[bytes]], Sequence[str]],
+        chains: dict[bytes, int] | None = None,
     ) -> tuple[int, set[bytes], list[tuple[str, int]]]:
         """:meth:`begin_checkpoint` and :meth:`claim_and_register` in one transaction, for a
         commit that knows its chunks before it opens its pending checkpoint (a single process
         hashes first): the pending checkpoint's id, the digests the catalog does not have, and
         the ``(key, id)`` of the packs ``keys_for(missing)`` names. One transaction fewer a
-        commit (its BEGIN, ownership check and COMMIT)."""
+        commit (its BEGIN, ownership check and COMMIT). ``chains``: see :meth:`claim_chunks`."""
         args = (run, step, kind, replace, owner, world_layout, lease_seconds, parent_checkpoint_id, fork_point)
-        ckpt_id, claimed = self._opening(owner, args, (list(digests), keys_for), "shared")
+        ckpt_id, claimed = self._opening(owner, args, (list(digests), keys_for, chains), "shared")
         assert claimed is not None
         return ckpt_id, claimed[0], claimed[1]
 
@@ -154,7 +164,7 @@ class CommitMixin(RunsMixin):
         self,
         owner: Owner,
         args: tuple[Any, ...],
-        claim: tuple[list[bytes], Callable[[set[bytes]], Sequence[str]]] | None,
+        claim: tuple[list[bytes], Callable[[set[bytes]], Sequence[str]], dict[bytes, int] | None] | None,
         lock: str | None,
     ) -> tuple[int, tuple[set[bytes], list[tuple[str, int]]] | None]:
         """Open the pending checkpoint (``args``: :meth:`begin_checkpoint`'s), then claim and
@@ -167,7 +177,7 @@ class CommitMixin(RunsMixin):
                     ckpt_id = self._begin(conn, *args)
                     if claim is None:
                         return ckpt_id, None
-                    missing = self._claim(conn, ckpt_id, claim[0])
+                    missing = self._claim(conn, ckpt_id, claim[0], claim[2])
                     keys = list(claim[1](missing))
                     return ckpt_id, (missing, list(zip(keys, self._register(conn, ckpt_id, keys))))
             except BaseException as e:
@@ -251,31 +261,50 @@ class CommitMixin(RunsMixin):
             res = execute(conn, _HEARTBEAT, {"ckpt": ckpt_id, "who": str(owner), "now": utcnow()})
             return bool(res.rowcount)
 
-    def claim_chunks(self, ckpt_id: int, owner: Owner, digests: Iterable[bytes]) -> set[bytes]:
-        """Reference every chunk the catalog already has; return the digests it does not."""
+    def claim_chunks(
+        self, ckpt_id: int, owner: Owner, digests: Iterable[bytes], chains: dict[bytes, int] | None = None
+    ) -> set[bytes]:
+        """Reference every chunk the catalog already has (and, for a delta, its bases); return
+        the digests it does not have. ``chains``, when given, gets the delta depth of every chunk
+        found (0: no delta): a commit decides from it which chunks it may write deltas against."""
         with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
-            return self._claim(conn, ckpt_id, digests)
+            return self._claim(conn, ckpt_id, digests, chains)
 
     def claim_and_register(
-        self, ckpt_id: int, owner: Owner, digests: Iterable[bytes], keys_for: Callable[[set[bytes]], Sequence[str]]
+        self,
+        ckpt_id: int,
+        owner: Owner,
+        digests: Iterable[bytes],
+        keys_for: Callable[[set[bytes]], Sequence[str]],
+        chains: dict[bytes, int] | None = None,
     ) -> tuple[set[bytes], list[tuple[str, int]]]:
         """:meth:`claim_chunks` and :meth:`register_packs` in one transaction: the digests the
         catalog does not have, and the ``(key, id)`` of the packs ``keys_for(missing)`` names."""
         with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
-            missing = self._claim(conn, ckpt_id, digests)
+            missing = self._claim(conn, ckpt_id, digests, chains)
             keys = list(keys_for(missing))
             return missing, list(zip(keys, self._register(conn, ckpt_id, keys)))
 
-    def _claim(self, conn: Connection, ckpt_id: int, digests: Iterable[bytes]) -> set[bytes]:
+    def _claim(
+        self, conn: Connection, ckpt_id: int, digests: Iterable[bytes], chains: dict[bytes, int] | None = None
+    ) -> set[bytes]:
         wanted = list(dict.fromkeys(digests))
         found: set[bytes] = set()
+        deltas = False
         for batch in batches(wanted):
             rows = execute(conn, _FOUND, {"digests": batch}).all()
             if rows:
                 self._reference(conn, ckpt_id, [r.id for r in rows])
                 found.update(bytes(r.digest) for r in rows)
+                for r in rows:
+                    if r.chain is not None:
+                        deltas = True
+                    if chains is not None:
+                        chains[bytes(r.digest)] = int(r.chain or 0)
+        if deltas:  # a delta decodes against its bases: they are needed as much as it is
+            reference_bases(conn, ckpt_id)
         return set(wanted) - found
 
     def _reference(self, conn: Connection, ckpt_id: int, chunk_ids: Sequence[int]) -> None:
@@ -318,6 +347,7 @@ class CommitMixin(RunsMixin):
         unused: Sequence[int],
     ) -> int:
         added = 0
+        deltas = False  # whether a chunk referenced here is a delta
         # digest order across every pack: two commits inserting overlapping chunks lock them in
         # the same order, so on PostgreSQL one waits for the other instead of deadlocking
         ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
@@ -331,8 +361,10 @@ class CommitMixin(RunsMixin):
         st = self._chunk_statements
         for batch in batches(ordered):
             inserted = st.insert_chunks.executemany(
-                conn, [(c.digest, pack_id, c.offset, c.length, c.raw_size, c.codec) for pack_id, c in batch]
+                conn,
+                [(c.digest, pack_id, c.offset, c.length, c.raw_size, c.codec, c.base, c.chain) for pack_id, c in batch],
             )
+            deltas = deltas or any(c.base is not None for _, c in batch)
             if inserted == len(batch):  # every row ours: what they add is known, and their
                 added += sum(c.length for _, c in batch)  # references go in by pack, below
                 continue
@@ -340,6 +372,7 @@ class CommitMixin(RunsMixin):
             # wherever they were recorded, and ask which rows are ours (by digest only: a
             # condition on pack_id leads SQLite's planner to scan the pack's earlier rows)
             digests = [c.digest for _, c in batch]
+            deltas = True  # the rows recorded first may be deltas of other bases
             execute(conn, st.refs_by_digest, {"digests": digests, "ckpt": ckpt_id})
             rows = execute(conn, _ADDED, {"digests": digests})
             added += sum(int(r.length) for r in rows if r.pack_id in ours)
@@ -348,6 +381,8 @@ class CommitMixin(RunsMixin):
         for pack_id, _, chunks in packs:
             if chunks:
                 execute(conn, st.refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
+        if deltas:  # (their bases were claimed; a base of a base may not have been)
+            reference_bases(conn, ckpt_id)
         return added
 
     def finish_checkpoint(
@@ -365,6 +400,7 @@ class CommitMixin(RunsMixin):
         packs: Sequence[tuple[int, int, Sequence[ChunkRow]]] = (),
         unused: Sequence[int] = (),
         record: Callable[[int, RecordFacts], Callable[[], object]] | None = None,
+        unneeded: Sequence[bytes] = (),
     ) -> Checkpoint:
         """Make the pending checkpoint visible, in one transaction; ``committed_at``: the commit
         time its blob-store record holds (now, when it has none).
@@ -382,13 +418,21 @@ class CommitMixin(RunsMixin):
         A failure once every statement ran (the connection dropped at the COMMIT) raises a
         :class:`CatalogError` saying the step may or may not have been committed: the server may
         have committed it. Retrying the commit tells which: a step that did get through is
-        refused as existing already (:class:`AlreadyExistsError`)."""
+        refused as existing already (:class:`AlreadyExistsError`).
+
+        ``unneeded``: chunks the claim referenced as possible bases of deltas that the commit
+        did not write deltas against; their references go (those the checkpoint needs otherwise,
+        as chunks of its own or bases of them, stay or come back)."""
         done: Checkpoint | None = None  # the checkpoint, once only the COMMIT is left
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
+                if unneeded:
+                    self._drop_bases(conn, ckpt_id, unneeded)
                 if packs or unused:
                     stored_bytes_added += self._add_packs(conn, ckpt_id, packs, unused)
+                if unneeded:  # a base of a chunk the checkpoint holds may have been among them
+                    reference_bases(conn, ckpt_id)
                 crash_point("pack.chunks_recorded")
                 written = record(stored_bytes_added, read_facts(conn, ckpt_id)) if record is not None else None
                 old = execute(conn, _COMMITTED_AT_STEP, {"run": row.run_id, "step": row.step}).scalar()
@@ -436,6 +480,21 @@ class CommitMixin(RunsMixin):
             raise self._lost_at_commit(e, f"step {done.step} of run {done.run!r}") from e
         finally:
             mark_live(owner.nonce, False)
+
+    def _drop_bases(self, conn: Connection, ckpt_id: int, digests: Sequence[bytes]) -> None:
+        """Drop the checkpoint's references to these chunks and to their bases, down their
+        chains; the caller references again what the checkpoint's own chunks need."""
+        dropped, level = set(digests), list(digests)
+        for _ in range(MAX_DELTA_CHAIN):
+            below: set[bytes] = set()
+            for batch in batches(level):
+                below.update(bytes(b) for b in execute(conn, _BASES_OF, {"digests": batch}).scalars())
+            level = list(below - dropped)
+            if not level:
+                break
+            dropped.update(level)
+        for batch in batches(list(dropped)):
+            execute(conn, _DROP_REFS, {"ckpt": ckpt_id, "digests": batch})
 
     def abort_checkpoint(self, ckpt_id: int, owner: Owner) -> None:
         """Drop a pending checkpoint of ours; what it wrote becomes garbage for gc."""

@@ -114,12 +114,16 @@ _LAYOUT = (
     .order_by(ENTRIES.c.id)
 )
 _LOCATIONS = (
-    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+    select(
+        CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec, CHUNKS.c.base
+    )
     .select_from(CHUNKS.join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
     .where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
 )
 _LOCATIONS_OF = (
-    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+    select(
+        CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec, CHUNKS.c.base
+    )
     .select_from(
         CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(PACKS, PACKS.c.id == CHUNKS.c.pack_id)
     )
@@ -408,7 +412,8 @@ def _entries(
 
 
 def _location(r: Any) -> ChunkLocation:
-    return ChunkLocation(r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec))
+    base = bytes(r.base) if r.base is not None else None
+    return ChunkLocation(r.key, int(r.offset), int(r.length), int(r.raw_size), int(r.codec), base)
 
 
 def pending_checkpoints(conn: Connection) -> list[Pending]:

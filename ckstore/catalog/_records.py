@@ -29,6 +29,7 @@ from ._rows import (
     TAGS,
     aware,
     batches,
+    reference_bases,
     utcnow,
 )
 from ._schema import COMMITTED
@@ -61,6 +62,8 @@ class RestoredChunk:
     length: int
     raw_size: int
     codec: int
+    base: bytes | None = None  # a delta's base chunk, from its frame's header
+    chain: int | None = None
 
 
 # statements built once: building one costs more than running it, at every commit
@@ -150,7 +153,7 @@ class RecordsMixin(QueriesMixin):
                     self._insert(CHUNKS).on_conflict_do_nothing(index_elements=["digest"]),
                     [
                         {"digest": c.digest, "pack_id": ids[c.pack_key], "offset": c.offset, "length": c.length,
-                         "raw_size": c.raw_size, "codec": c.codec}
+                         "raw_size": c.raw_size, "codec": c.codec, "base": c.base, "chain": c.chain}
                         for c in cbatch
                     ],
                 )  # fmt: skip
@@ -226,6 +229,7 @@ class RecordsMixin(QueriesMixin):
                 ids = conn.execute(select(CHUNKS.c.id).where(CHUNKS.c.digest.in_(dbatch))).scalars().all()
                 if ids:
                     conn.execute(CHUNK_REFS.insert(), [{"checkpoint_id": ckpt_id, "chunk_id": i} for i in ids])
+            reference_bases(conn, ckpt_id)
             return True
 
     def restore_tag(self, run: str, name: str, target: Ident | None) -> bool:

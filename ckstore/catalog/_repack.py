@@ -60,11 +60,20 @@ class RepackMixin(QueriesMixin):
         """The chunk rows of a pack, by offset."""
         with self._read() as conn:
             rows = conn.execute(
-                select(CHUNKS.c.digest, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+                select(
+                    CHUNKS.c.digest, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec,
+                    CHUNKS.c.base, CHUNKS.c.chain,
+                )
                 .where(CHUNKS.c.pack_id == pack_id)
                 .order_by(CHUNKS.c.offset)
             ).all()
-        return [NewChunk(bytes(r.digest), int(r.offset), int(r.length), int(r.raw_size), int(r.codec)) for r in rows]
+        return [
+            NewChunk(
+                bytes(r.digest), int(r.offset), int(r.length), int(r.raw_size), int(r.codec),
+                None if r.base is None else bytes(r.base), None if r.chain is None else int(r.chain),
+            )
+            for r in rows
+        ]  # fmt: skip
 
     def register_repack(self, key: str) -> int:
         """Record a new pack before a repack writes it (no owner: a crash leaves it to the sweep)."""

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
-from sqlalchemy import ColumnElement, Connection, bindparam, exists, select
+from sqlalchemy import ColumnElement, Connection, Integer, bindparam, exists, select
 
+from ..config import MAX_DELTA_CHAIN
 from ..errors import NotFoundError
 from ._access import execute
 from ._schema import (
@@ -29,6 +30,7 @@ __all__ = [
     "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH", "RUN_ID",
     "RUN_ORIGIN",
     "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
+    "reference_bases",
     "ChunkRow", "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
 
@@ -79,6 +81,37 @@ def unreferenced_chunk() -> ColumnElement[bool]:
     return ~exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id)
 
 
+_BASE = CHUNKS.alias("base_chunk")
+_HELD = CHUNK_REFS.alias("held")
+#: references from a checkpoint to the bases of the delta chunks it references, where missing
+_REF_BASES = CHUNK_REFS.insert().from_select(
+    ["checkpoint_id", "chunk_id"],
+    select(bindparam("ckpt", type_=Integer), _BASE.c.id)
+    .distinct()
+    .select_from(
+        CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(_BASE, _BASE.c.digest == CHUNKS.c.base)
+    )
+    .where(
+        CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"),
+        CHUNKS.c.base.is_not(None),
+        ~exists().where(_HELD.c.checkpoint_id == bindparam("ckpt"), _HELD.c.chunk_id == _BASE.c.id),
+    ),
+)
+
+
+def reference_bases(conn: Connection, ckpt_id: int) -> None:
+    """Reference from checkpoint ``ckpt_id`` the base of every delta chunk it references, and
+    theirs in turn, down to chunks that are no deltas.
+
+    This keeps the invariant that garbage collection relies on: a checkpoint references every
+    chunk it needs to decode its own, so a base is unreferenced only when no delta of it is
+    referenced either (and gc's sweep removes both at once). One statement per level of the
+    deepest chain (a reader refuses chains over :data:`~ckstore.config.MAX_DELTA_CHAIN`)."""
+    for _ in range(MAX_DELTA_CHAIN + 1):
+        if not conn.execute(_REF_BASES, {"ckpt": ckpt_id}).rowcount:
+            return
+
+
 def owned_by_live_commit() -> ColumnElement[bool]:
     """A pack row a commit still in flight (a pending checkpoint) owns."""
     return PACKS.c.owner_checkpoint_id.in_(select(CHECKPOINTS.c.id).where(CHECKPOINTS.c.status == PENDING))
@@ -99,6 +132,10 @@ class ChunkRow(Protocol):
     def raw_size(self) -> int: ...
     @property
     def codec(self) -> int: ...
+    @property
+    def base(self) -> bytes | None: ...  # a delta's base chunk
+    @property
+    def chain(self) -> int | None: ...  # a delta's depth: its base's plus one
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +147,8 @@ class NewChunk:
     length: int
     raw_size: int
     codec: int
+    base: bytes | None = None
+    chain: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +158,7 @@ class ChunkLocation:
     length: int
     raw_size: int
     codec: int
+    base: bytes | None = None  # a delta's base chunk, read and decoded first
 
 
 class Pending(NamedTuple):

@@ -117,6 +117,10 @@ CHUNKS = Table(
     Column("length", Integer, nullable=False),  # stored frame length
     Column("raw_size", Integer, nullable=False),
     Column("codec", Integer, nullable=False),
+    # a delta (codec 3): the digest of the chunk it decodes against, and how many deltas deep
+    # it is (its base's depth plus one; a chunk that is no delta has neither)
+    Column("base", LargeBinary(16), nullable=True),
+    Column("chain", Integer, nullable=True),
 )
 
 CHUNK_REFS = Table(

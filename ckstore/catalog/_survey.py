@@ -53,6 +53,7 @@ class ChunkSpan:
     offset: int
     length: int
     raw_size: int
+    base: bytes | None = None  # a delta's base chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,13 +127,16 @@ class Survey:
 
     def pack_chunks(self, pack_id: int, *, ending_past: int | None = None) -> list[ChunkSpan]:
         """The chunk rows of a pack by offset (only those ending past byte ``ending_past``)."""
-        q = select(CHUNKS.c.digest, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size).where(
+        q = select(CHUNKS.c.digest, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.base).where(
             CHUNKS.c.pack_id == pack_id
         )
         if ending_past is not None:
             q = q.where(CHUNKS.c.offset + CHUNKS.c.length > ending_past)
         rows = self._conn.execute(q.order_by(CHUNKS.c.offset))
-        return [ChunkSpan(bytes(r.digest), int(r.offset), int(r.length), int(r.raw_size)) for r in rows]
+        return [
+            ChunkSpan(bytes(r.digest), int(r.offset), int(r.length), int(r.raw_size), None if r.base is None else bytes(r.base))
+            for r in rows
+        ]
 
     def existing_packs(self, ids: Iterable[int]) -> set[int]:
         """Which of the pack rows ``ids`` still exist (gc deletes rows before objects)."""

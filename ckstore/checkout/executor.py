@@ -24,6 +24,7 @@ from ..errors import BlobStoreError, ChunkNotFoundError, IntegrityError
 from ..format import codec, hashing
 from ..format.pack import PACK_HEADER, PACK_PREFIX
 from ..format.tensorio import byte_view, dtype_from_name, empty_tensor
+from .bases import Bases
 from .readplan import ChunkCopy, ReadPlan
 
 __all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX"]
@@ -95,6 +96,9 @@ def execute_plan(
     locs = locate(digests)
     for c in plan.copies:
         _check_location(c, locs.get(c.digest), where)
+    bases = Bases(blobs, locate, locs)
+    if any(loc.base is not None for loc in locs.values()):
+        bases.prefetch(locs)  # the bases of deltas, read and decoded as their deltas need them
     tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
     for i, buf in enumerate(plan.buffers):
         if not buf.staging:
@@ -138,7 +142,7 @@ def execute_plan(
                 done = 0
                 for d, loc in rd.chunks:
                     frame = data[loc.offset - rd.start : loc.offset - rd.start + loc.length]
-                    _deliver(d, frame, loc.raw_size, bd[d], lv, where)
+                    _deliver(d, frame, loc, bd[d], lv, where, bases)
                     done += sum(c.src_stop - c.src_start for c in bd[d])
                 if progress is not None:
                     with lock:
@@ -193,20 +197,24 @@ def _check_location(c: ChunkCopy, loc: ChunkLocation | None, where: str) -> None
 def _deliver(
     digest: bytes,
     frame: memoryview,
-    raw_size: int,
+    loc: ChunkLocation,
     copies: list[ChunkCopy],
     views: dict[int, np.ndarray],
     where: str,
+    bases: Bases,
 ) -> None:
+    raw_size = loc.raw_size
     whole = next((c for c in copies if c.src_start == 0 and c.src_stop == raw_size), None)
     if whole is not None:
         decoded = views[whole.buffer][whole.dst_offset : whole.dst_offset + raw_size]
     else:
         decoded = np.empty(raw_size, dtype=np.uint8)
     try:
-        codec.decode_into(frame, decoded.data)
+        bases.decode(frame, loc, decoded.data)
     except IntegrityError as e:
         raise IntegrityError(f"{where}, {copies[0].source}: chunk {digest.hex()} is corrupt: {e}") from e
+    except ChunkNotFoundError as e:
+        raise ChunkNotFoundError(f"{where}, {copies[0].source}: chunk {digest.hex()} is a delta: {e}") from e
     if hashing.digest(decoded.data) != digest:
         raise IntegrityError(
             f"{where}, {copies[0].source}: chunk {digest.hex()} does not match its digest; the stored "

@@ -64,7 +64,7 @@ from ..errors import (
     LayoutError,
     UnsupportedValueError,
 )
-from ..format.codec import HEADER_SIZE
+from ..format.codec import DELTA_OVERHEAD, HEADER_SIZE
 from ..format.manifest import ShardSpec
 from ..format.pack import PACK_HEADER, PackedChunk, PackWriter, new_pack_key
 from ..format.tensorio import StagingBuffer
@@ -72,6 +72,7 @@ from ..layout import WorldLayout
 from ..records import Checkpoint
 from . import _stage
 from ._arguments import CommitArguments, check_arguments
+from ._delta import DeltaCache, DeltaPlan
 from ._records import write_record
 from .collective import Group, bind
 from .dtensor import DTensorLeaves, default_layout
@@ -90,8 +91,9 @@ def _nothing() -> None:
     return None
 
 
-# a frame is its raw bytes plus a header and, for byte planes, one u32 per plane (16 at most)
-_MAX_FRAME_OVERHEAD = HEADER_SIZE + 4 * 16
+# a frame is its raw bytes plus a header and, for byte planes, one u32 per plane (16 at most);
+# a delta frame adds its own header and its base's digest
+_MAX_FRAME_OVERHEAD = DELTA_OVERHEAD + HEADER_SIZE + 4 * 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,7 @@ class CommitContext:
     config: StoreConfig
     workers: int
     run: str | None = None  # the store's default run, for commits that name none
+    delta: DeltaCache | None = None  # the store's chunks to write deltas against, when it writes deltas
 
 
 def start(
@@ -184,6 +187,11 @@ class StagedCommit:
         self.mine: tuple[list[bytes], list[tuple[str, int]]] = ([], [])  # chunks to write, pack slots
         self.results: list[Any] | None = None  # rank 0: every rank's packs and manifests
         self.registered: list[Any] = []  # rank 0: the ids of every pack recorded for the commit
+        self.bases: dict[bytes, bytes] = {}  # this rank's changed chunks' candidate delta bases
+        self.usable: dict[bytes, int] = {}  # which of them the catalog has, by chain depth
+        self.rank_bases: list[list[bytes]] = []  # rank 0: every rank's candidate bases
+        self.claimed_bases: set[bytes] = set()  # rank 0: the candidate bases its claim referenced
+        self.depths: dict[bytes, int] = {}  # the chain depth of the deltas this rank wrote
 
     @property
     def what(self) -> str:
@@ -216,6 +224,8 @@ class StagedCommit:
     def abort(self) -> None:
         """Stop the heartbeat and the thread pool, then (rank 0) abort the pending checkpoint."""
         self.stack.close()
+        if self.ctx.delta is not None:  # what it wrote may never be stored: no delta against it
+            self.ctx.delta.clear()
         if self.ckpt_id is None:
             return
         try:
@@ -294,7 +304,7 @@ class StagedCommit:
         rank 0 learns what every rank holds."""
         g, cs = self.g, self.cfg.chunk_size
 
-        def local() -> tuple[bytes, list[int]]:
+        def local() -> tuple[bytes, list[int], bytes]:
             assert self.pool is not None and self.args is not None and self.layout is not None
             if g.rank == 0 and g.size > 1:  # (a group of one opens it with its claim)
                 self.ckpt_id = self.ctx.catalog.begin_checkpoint(**self._begin_kwargs())
@@ -307,13 +317,24 @@ class StagedCommit:
                 n = st.data.nbytes
                 for i, d in enumerate(st.digests):
                     held.setdefault(d, min(cs, n - i * cs))  # chunk i's length
-            return _join(list(self.held)), list(self.held.values())
+            if self.ctx.delta is not None:
+                self.bases = self.ctx.delta.candidates(self._places())
+            return _join(list(self.held)), list(self.held.values()), _join(list(dict.fromkeys(self.bases.values())))
 
         hashed = g.attempt(local)
         crash_point("hash")
         gathered = g.gather("hashing chunks", hashed)
         if gathered is not None:
             self.holdings = [list(zip(_split(h[0]), h[1])) if h is not None else [] for h in gathered]
+            self.rank_bases = [_split(h[2]) if h is not None else [] for h in gathered]
+
+    def _places(self) -> list[tuple[tuple[int, str, str, int], bytes, int]]:
+        """Every staged chunk's place (rank, sub-checkpoint, path, index), digest and length."""
+        cs, out = self.cfg.chunk_size, []
+        for st in self.staged:
+            e, n = self.entries[st.entry], st.data.nbytes
+            out += [((e.rank, e.sub_key, st.path, i), d, min(cs, n - i * cs)) for i, d in enumerate(st.digests)]
+        return out
 
     def _begin_kwargs(self) -> dict[str, Any]:
         """The pending checkpoint's :meth:`~ckstore.catalog.Catalog.begin_checkpoint` arguments."""
@@ -340,7 +361,10 @@ class StagedCommit:
             assert self.holdings is not None and (self.ckpt_id is not None or g.size == 1)
             self.check_lease()
             catalog, holdings = self.ctx.catalog, self.holdings
-            wanted = list(dict.fromkeys(d for items in holdings for d, _ in items))
+            # the chunks held, then the candidate bases of deltas: a base found is referenced
+            # by the claim (gc keeps it) and comes back with its chain depth
+            wanted = list(dict.fromkeys([d for items in holdings for d, _ in items] + [b for bs in self.rank_bases for b in bs]))
+            chains: dict[bytes, int] = {}
             sizes = {d: n for items in holdings for d, n in items}
             plan: list[list[bytes]] = []
             needed: list[int] = []
@@ -364,18 +388,21 @@ class StagedCommit:
 
             if self.ckpt_id is None:  # a group of one: the pending checkpoint opens with its claim
                 self.ckpt_id, _, registered = catalog.begin_and_claim(
-                    **self._begin_kwargs(), digests=wanted, keys_for=keys_for
+                    **self._begin_kwargs(), digests=wanted, keys_for=keys_for, chains=chains
                 )
                 self._start_heartbeat()
             else:
-                _, registered = catalog.claim_and_register(self.ckpt_id, self.owner, wanted, keys_for)
+                _, registered = catalog.claim_and_register(self.ckpt_id, self.owner, wanted, keys_for, chains)
             self.registered = [pack_id for _, pack_id in registered]
             ids = iter(registered)
-            return [(_join(p), [next(ids) for _ in range(n)]) for p, n in zip(plan, needed)]
+            longest = self.ctx.delta.chain if self.ctx.delta is not None else 0
+            usable = [{b: chains[b] for b in bs if chains.get(b, longest) < longest} for bs in self.rank_bases]
+            self.claimed_bases = {b for bs in self.rank_bases for b in bs if b in chains}
+            return [(_join(p), [next(ids) for _ in range(n)], u) for p, n, u in zip(plan, needed, usable)]
 
         outcome = g.attempt(local) if g.rank == 0 else (None, None)
         crash_point("plan_writes")
-        digests, slots = g.scatter("assigning chunks to writers", outcome)
+        digests, slots, self.usable = g.scatter("assigning chunks to writers", outcome)
         self.mine = (_split(digests), slots)
 
     def write(self) -> None:
@@ -395,6 +422,8 @@ class StagedCommit:
 
             def on_close(pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
                 packs.append((pack_id, size, chunks))  # (on the writer's upload threads: append is safe)
+                if delta is not None:
+                    self.depths.update((c.digest, c.chain) for c in chunks if c.chain)
 
             total = sum(self.held[d] for d in assigned)
             done = 0
@@ -407,9 +436,13 @@ class StagedCommit:
                     self.progress(done, total)
 
             writer = PackWriter(self.ctx.blobs, cfg.pack_size, on_open, on_close)
+            delta = None
+            if self.ctx.delta is not None and self.usable:
+                delta = DeltaPlan(self.bases, self.usable, self.ctx.delta)
             _stage.write_missing(
                 self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
                 level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick, threads=self.ctx.workers,
+                delta=delta,
             )  # fmt: skip
             return packs, _stage.build_manifests(self.entries, self.staged, cfg.chunk_size)
 
@@ -430,6 +463,10 @@ class StagedCommit:
             written = {pack_id for pack_id, _, _ in packs}
             unused = [pack_id for pack_id in self.registered if pack_id not in written]
             manifests = [m for _, ms in self.results for m in ms]
+            # candidate bases no delta was written against: their claim's references go
+            used = {c.base for _, _, chunks in packs for c in chunks if c.base is not None}
+            held = {d for items in self.holdings or () for d, _ in items}
+            unneeded = [b for b in self.claimed_bases if b not in used and b not in held]
             when, pool, args, ckpt_id = utcnow(), self.pool, self.args, self.ckpt_id
             assert pool is not None
 
@@ -449,7 +486,7 @@ class StagedCommit:
             ckpt = catalog.finish_checkpoint(
                 ckpt_id, self.owner, entries=manifests, metrics=args.metrics, tags=args.tags,
                 logical_bytes=sum(m[3] for m in manifests), replace=self.replace, committed_at=when,
-                packs=packs, unused=unused, record=record,
+                packs=packs, unused=unused, record=record, unneeded=unneeded,
             )  # fmt: skip
             self.ckpt_id = None  # visible now: nothing to abort
             return ckpt
@@ -473,7 +510,17 @@ class StagedCommit:
             self.abort()
             raise
         self.stack.close()
+        if self.ctx.delta is not None and ckpt is not None:  # committed: the next commit's bases
+            cs = self.cfg.chunk_size
+            self.ctx.delta.remember(
+                [(place, d, st.chunk(place[3], cs)) for st, (place, d, _) in zip(self._staged_chunks(), self._places())],
+                self.depths,
+            )
         return ckpt
+
+    def _staged_chunks(self) -> list[_stage.StagedTensor]:
+        """The staged tensor of each chunk in :meth:`_places`'s order."""
+        return [st for st in self.staged for _ in st.digests]
 
 
 class Heartbeat:

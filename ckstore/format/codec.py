@@ -2,7 +2,7 @@
 
 A frame is what the blob store holds for one chunk. Its header is 8 bytes, little-endian::
 
-    u8  codec      0 = raw, 1 = zstd, 2 = byte planes
+    u8  codec      0 = raw, 1 = zstd, 2 = byte planes, 3 = delta
     u8  itemsize   element size the planes were cut by (codec 2), else 1
     u16 plane_mask bit j set: plane j is zstd-compressed (codec 2)
     u32 raw_len    length of the chunk's raw bytes
@@ -11,6 +11,11 @@ Codec 2 follows the header with ``itemsize`` u32 stored plane lengths, then the 
 holds byte j of every element (``raw[j::itemsize]``). Only planes whose sample shrinks are
 compressed: for float tensors that is the sign/exponent plane, while mantissa planes are
 random bytes that zstd cannot shrink, so skipping them keeps the ratio at a fraction of the CPU.
+
+Codec 3 (a delta) follows the header with the 16-byte digest of its base, another chunk of the
+same raw length, then a whole frame of codec 0, 1 or 2 holding the XOR of the two chunks' raw
+bytes: successive states of a tensor one training step apart differ in their low mantissa bytes,
+so the XOR's high planes are mostly zero and compress. Decoding needs the base's raw bytes.
 
 Encoding never concatenates: a frame is a list of buffers written one after another, and a
 chunk that does not shrink is written straight from the tensor's memory.
@@ -33,8 +38,13 @@ __all__ = [
     "CODEC_RAW",
     "CODEC_ZSTD",
     "CODEC_PLANES",
+    "CODEC_DELTA",
+    "DELTA_OVERHEAD",
     "Frame",
     "encode",
+    "encode_delta",
+    "delta_base",
+    "delta_itemsize",
     "encode_many",
     "decode_into",
     "raw_length",
@@ -45,8 +55,12 @@ __all__ = [
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 CODEC_PLANES = 2
+CODEC_DELTA = 3
 
 HEADER_SIZE = 8
+#: what a delta frame adds to the frame of its XOR: its own header and its base's digest
+DELTA_OVERHEAD = HEADER_SIZE + 16
+
 _HEADER = struct.Struct("<BBHI")
 _SAMPLE_BYTES = 16 * 1024
 #: chunks shorter than this are stored raw without a compression attempt: a zstd frame's own
@@ -151,6 +165,36 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
     return _planes_frame(raw, itemsize, mask, planes)
 
 
+def encode_delta(raw: memoryview, base: memoryview, base_digest: bytes, itemsize: int, level: int = 1) -> Frame:
+    """The delta frame of ``raw`` against ``base``, the raw bytes of the chunk of digest
+    ``base_digest`` (the same length): the XOR of the two, encoded by :func:`encode`, after a
+    header naming the base. The frame holds the XOR's buffer alive until it is written."""
+    n = raw.nbytes
+    if base.nbytes != n or len(base_digest) != 16:
+        raise ValueError(f"a delta needs a base of the chunk's {n} bytes and a 16-byte digest")
+    xor = np.bitwise_xor(np.frombuffer(raw, dtype=np.uint8), np.frombuffer(base, dtype=np.uint8))
+    inner = encode(xor.data, itemsize, level)
+    head = _HEADER.pack(CODEC_DELTA, 1, 0, n) + base_digest
+    return Frame(CODEC_DELTA, (head, *inner.parts), DELTA_OVERHEAD + inner.length)
+
+
+def delta_base(frame: memoryview | bytes) -> bytes | None:
+    """The digest of the base a delta frame decodes against; None for any other frame."""
+    if len(frame) < HEADER_SIZE or frame[0] != CODEC_DELTA:
+        return None
+    if len(frame) < DELTA_OVERHEAD:
+        raise IntegrityError(f"delta chunk frame of {len(frame)} bytes is shorter than its header")
+    return bytes(frame[HEADER_SIZE:DELTA_OVERHEAD])
+
+
+def delta_itemsize(frame: memoryview | bytes) -> int:
+    """The element size a delta frame's XOR was cut into byte planes by (1 when it was not)."""
+    inner = memoryview(frame)[DELTA_OVERHEAD:]
+    if inner.nbytes >= HEADER_SIZE and inner[0] == CODEC_PLANES:
+        return int(inner[1])
+    return 1
+
+
 def encode_many(raws: Sequence[memoryview], itemsize: int, level: int = 1, threads: int = 1) -> list[Frame]:
     """:func:`encode` of many chunks of ``itemsize``-byte elements, the same frames byte for byte.
 
@@ -243,9 +287,10 @@ def max_frame_length(raw_len: int) -> int:
     """The longest frame :func:`encode` writes for ``raw_len`` raw bytes.
 
     A frame is stored raw unless it shrinks, so it is never longer than the header, the
-    byte-plane length table and the raw bytes.
+    byte-plane length table and the raw bytes (a delta frame: that, after its own header and
+    its base's digest).
     """
-    return HEADER_SIZE + 4 * _MAX_ITEMSIZE + raw_len
+    return DELTA_OVERHEAD + HEADER_SIZE + 4 * _MAX_ITEMSIZE + raw_len
 
 
 _MAX_ITEMSIZE = 16  # plane_mask has 16 bits
@@ -281,10 +326,12 @@ def _unzstd(src: memoryview, dest: memoryview, what: str) -> None:
         raise IntegrityError(f"{what} decodes to more than the expected {n} bytes")
 
 
-def decode_into(frame: memoryview | bytes, dest: memoryview) -> None:
+def decode_into(frame: memoryview | bytes, dest: memoryview, base: memoryview | None = None) -> None:
     """Decode ``frame`` into ``dest``, which must be exactly the chunk's raw length.
 
-    Never allocates more than ``dest``'s length, whatever the frame declares. Raises
+    A delta frame (:func:`delta_base` names its base) needs ``base``, the base chunk's raw bytes,
+    verified against its digest by the caller; any other frame refuses one. Never allocates more
+    than ``dest``'s length (a delta: than twice it), whatever the frame declares. Raises
     :class:`IntegrityError` naming what is wrong when the frame is malformed; the caller
     verifies the digest.
     """
@@ -295,6 +342,11 @@ def decode_into(frame: memoryview | bytes, dest: memoryview) -> None:
     out = memoryview(dest).cast("B") if memoryview(dest).format != "B" else memoryview(dest)
     if out.nbytes != n:
         raise IntegrityError(f"chunk frame holds {n} raw bytes, expected {out.nbytes}")
+    if codec == CODEC_DELTA:
+        _delta_into(fv, out, itemsize, mask, base)
+        return
+    if base is not None:
+        raise IntegrityError(f"chunk frame of codec {codec} is not a delta, but a base was given")
     body = fv[HEADER_SIZE:]
     if codec in (CODEC_RAW, CODEC_ZSTD) and (itemsize, mask) != (1, 0):
         raise IntegrityError(f"chunk frame of codec {codec} has itemsize {itemsize} and plane mask {mask:#x}")
@@ -311,6 +363,22 @@ def decode_into(frame: memoryview | bytes, dest: memoryview) -> None:
             raise IntegrityError(f"unknown chunk codec {codec}")
     except zstandard.ZstdError as e:
         raise IntegrityError(f"chunk frame does not decompress: {e}") from e
+
+
+def _delta_into(fv: memoryview, out: memoryview, itemsize: int, mask: int, base: memoryview | None) -> None:
+    if (itemsize, mask) != (1, 0):
+        raise IntegrityError(f"delta chunk frame has itemsize {itemsize} and plane mask {mask:#x}")
+    if base is None:
+        raise IntegrityError("delta chunk frame decoded without its base")
+    b = memoryview(base).cast("B") if memoryview(base).format != "B" else memoryview(base)
+    if b.nbytes != out.nbytes:
+        raise IntegrityError(f"delta chunk frame of {out.nbytes} raw bytes has a base of {b.nbytes}")
+    inner = fv[DELTA_OVERHEAD:]
+    if inner.nbytes >= 1 and inner[0] == CODEC_DELTA:
+        raise IntegrityError("delta chunk frame holds another delta frame")
+    decode_into(inner, out)  # the XOR
+    dst = np.frombuffer(out, dtype=np.uint8)
+    np.bitwise_xor(dst, np.frombuffer(b, dtype=np.uint8), out=dst)
 
 
 def _planes_into(body: memoryview, out: memoryview, itemsize: int, mask: int) -> None:

@@ -30,7 +30,7 @@ from .._crash import crash_point
 from .._threads import TaskGroup
 from ..blobstore import BlobStore
 from ..errors import IntegrityError
-from .codec import HEADER_SIZE, Frame, max_frame_length
+from .codec import CODEC_DELTA, HEADER_SIZE, Frame, delta_base, max_frame_length
 
 __all__ = ["PackWriter", "PackedChunk", "new_pack_key", "read_index", "PACK_HEADER", "PACK_PREFIX"]
 
@@ -62,6 +62,8 @@ class PackedChunk:
     length: int
     raw_size: int
     codec: int
+    base: bytes | None = None  # a delta's base chunk (codec 3)
+    chain: int | None = None  # a delta's depth: its base's plus one
 
 
 class PackWriter:
@@ -100,7 +102,8 @@ class PackWriter:
         self._count_lock = threading.Lock()
         self._buf = bytearray()  # small frames not written yet, at most about _BUFFER bytes
 
-    def add(self, digest: bytes, frame: Frame, raw_size: int) -> None:
+    def add(self, digest: bytes, frame: Frame, raw_size: int, chain: int | None = None) -> None:
+        """Append one chunk's frame; ``chain``: a delta frame's depth (its base's plus one)."""
         if self._w is None:
             self._open()
         if frame.length < _SMALL_FRAME:  # gathered, so thousands of tiny chunks are a few writes
@@ -113,7 +116,8 @@ class PackWriter:
             for part in frame.parts:
                 self._w.write(part)
             crash_point("pack.mid")
-        self._chunks.append(PackedChunk(digest, self._pos, frame.length, raw_size, frame.codec))
+        base = delta_base(frame.parts[0]) if frame.codec == CODEC_DELTA else None
+        self._chunks.append(PackedChunk(digest, self._pos, frame.length, raw_size, frame.codec, base, chain))
         self._pos += frame.length
         if self._pos >= self.target_size:
             self._finish()

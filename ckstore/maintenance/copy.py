@@ -4,7 +4,8 @@ kinds, layouts and lineage, with only the chunks the destination lacks sent.
 Each checkpoint is committed into the destination through the commit protocol's entry point for
 already-encoded frames (:func:`ckstore.commit.frames.commit_frames`, handed in by the store):
 frames travel as stored, no re-encoding, each verified against its digest (decoded and hashed)
-before it is written. Checkpoints go oldest first, so a parent arrives before its children.
+before it is written. A delta (codec 3) is the exception: its base may not be copied, so it is
+sent as a whole chunk, encoded again from the bytes it decodes to. Checkpoints go oldest first, so a parent arrives before its children.
 
 A copy killed part-way leaves the destination consistent: what finished is committed, the
 checkpoint in flight is a pending one whose written packs are recorded. Copying again skips
@@ -21,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AlreadyExistsError, CheckpointNotFoundError, IntegrityError, NotFoundError
+from ..checkout.bases import Bases
+from ..errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    ChunkNotFoundError,
+    IntegrityError,
+    NotFoundError,
+)
 from ..format import codec, hashing
 from ..format.manifest import Manifest
 from ..records import Checkpoint
@@ -77,20 +85,25 @@ def copy_checkpoints(
     if progress is not None:
         progress(0, to_send, skipped_bytes)
 
+    bases = Bases(src.blobs, src.catalog.chunk_locations, where)
+
     def fetch(digests: Sequence[bytes]) -> Iterator[tuple[bytes, bytes, int, int]]:
         def one(d: bytes) -> tuple[bytes, bytes, int, int]:
             loc = where[d]
             frame = src.blobs.read(loc.pack_key, loc.offset, loc.offset + loc.length)
             out = np.empty(loc.raw_size, dtype=np.uint8)
             try:
-                codec.decode_into(frame, out.data)
-            except IntegrityError as e:
+                bases.decode(frame, loc, out.data)
+            except (IntegrityError, ChunkNotFoundError) as e:
                 raise IntegrityError(f"chunk {d.hex()} in {loc.pack_key} of the source is corrupt: {e}") from e
             if hashing.digest(out.data) != d:
                 raise IntegrityError(
                     f"chunk {d.hex()} in {loc.pack_key} of the source does not match its digest; nothing of it "
                     "was copied (run `ckstore fsck --deep` on the source)"
                 )
+            if loc.base is not None:  # a whole chunk: the destination may not have the base
+                full = codec.encode(out.data, codec.delta_itemsize(frame), src.config.compression_level)
+                return d, b"".join(full.parts), loc.raw_size, full.codec
             return d, frame, loc.raw_size, loc.codec
 
         with ThreadPoolExecutor(src.workers) as pool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..blobstore import BlobNotFoundError, BlobStore
 from ..catalog import Catalog, CheckpointId, ChunkSpan, PackExtent, Survey, utcnow
-from ..errors import BlobStoreError, IntegrityError
+from ..errors import BlobStoreError, ChunkNotFoundError, IntegrityError
 from ..format.manifest import MAX_CHUNK_SIZE, Manifest, TensorRecord, check_pieces
 from .gc import (
     Progress,
@@ -105,11 +105,18 @@ class FsckReport:
         return list(dict.fromkeys(d.ref for d in self.damage))
 
 
-def _verify_pack(blobs: BlobStore, key: str, chunks: Sequence[ChunkSpan]) -> tuple[dict[bytes, str], int]:
-    """Read one pack and check every chunk row of it: ``({digest: problem}, bytes read)``."""
+def _verify_pack(
+    blobs: BlobStore, key: str, chunks: Sequence[ChunkSpan], catalog: Catalog
+) -> tuple[dict[bytes, str], int]:
+    """Read one pack and check every chunk row of it: ``({digest: problem}, bytes read)``. A
+    delta is decoded against its bases, read and verified from wherever they are stored."""
     import numpy as np  # --deep only: a shallow check needs no decoder
 
+    from ..catalog import ChunkLocation
+    from ..checkout.bases import Bases
     from ..format import codec, hashing
+
+    bases = Bases(blobs, catalog.chunk_locations)
 
     try:
         data = memoryview(blobs.read(key))
@@ -129,9 +136,12 @@ def _verify_pack(blobs: BlobStore, key: str, chunks: Sequence[ChunkSpan]) -> tup
             if codec.raw_length(frame) != int(c.raw_size) or int(c.raw_size) > MAX_CHUNK_SIZE:
                 raise IntegrityError(f"its header holds {codec.raw_length(frame)} raw bytes, the catalog {c.raw_size}")
             out = np.empty(int(c.raw_size), dtype=np.uint8)
-            codec.decode_into(frame, out.data)
+            bases.decode(frame, ChunkLocation(key, c.offset, c.length, c.raw_size, 0, c.base), out.data)
         except IntegrityError as e:
             bad[d] = f"chunk frame in {key} at byte {c.offset} is corrupt: {e}"
+            continue
+        except ChunkNotFoundError as e:
+            bad[d] = f"delta chunk in {key} at byte {c.offset} cannot be decoded: {e}"
             continue
         if hashing.digest(out.data) != d:
             bad[d] = f"chunk in {key} at byte {c.offset} does not match its digest (corrupt bytes)"
@@ -152,7 +162,7 @@ def _deep(
     def one(p: PackExtent) -> tuple[PackExtent, dict[bytes, str], int, int]:
         with catalog.snapshot() as survey:
             rows = survey.pack_chunks(p.id)
-        found, n = _verify_pack(blobs, p.key, rows)
+        found, n = _verify_pack(blobs, p.key, rows, catalog)
         if found and not blobs.exists(p.key):
             with catalog.snapshot() as survey:  # swept by a gc running meanwhile: not damage
                 if not survey.existing_packs([p.id]):

@@ -26,6 +26,7 @@ from datetime import datetime
 
 from ..blobstore import BlobStore
 from ..catalog import Catalog, RestoredChunk
+from ..config import MAX_DELTA_CHAIN
 from ..errors import BlobStoreError, CkstoreError, IntegrityError
 from ..format.manifest import Manifest
 from ..format.record import (
@@ -118,6 +119,28 @@ def _read_records(blobs: BlobStore, workers: int) -> tuple[list[CheckpointRecord
     return recs, events, bad
 
 
+def _delta_bases(
+    blobs: BlobStore, found: dict[bytes, tuple[str, int, int, int]], codecs: dict[tuple[bytes, str, int], int]
+) -> dict[bytes, tuple[bytes, int]]:
+    """``{digest: (base, chain depth)}`` of the delta chunks among ``found``, their bases read
+    from their frames' headers. A delta whose base is not found, or whose chain is longer than a
+    reader follows, is left without a base: checkouts of it fail, as fsck reports."""
+    from ..format.codec import CODEC_DELTA, DELTA_OVERHEAD, HEADER_SIZE
+
+    base: dict[bytes, bytes] = {}
+    for d, (key, offset, length, _) in found.items():
+        if codecs[(d, key, offset)] == CODEC_DELTA and length >= DELTA_OVERHEAD:
+            base[d] = bytes(blobs.read(key, offset, offset + DELTA_OVERHEAD)[HEADER_SIZE:])
+    out: dict[bytes, tuple[bytes, int]] = {}
+    for d, b in base.items():
+        depth, at = 1, b
+        while at in base and depth <= MAX_DELTA_CHAIN:
+            depth, at = depth + 1, base[at]
+        if at in found and depth <= MAX_DELTA_CHAIN:
+            out[d] = (b, depth)
+    return out
+
+
 def recover(catalog: Catalog, blobs: BlobStore, *, workers: int = 8, progress: Progress | None = None) -> RecoverReport:
     """Rebuild ``catalog`` from ``blobs``; see the module docstring."""
     # 1. packs and their chunks
@@ -150,9 +173,13 @@ def recover(catalog: Catalog, blobs: BlobStore, *, workers: int = 8, progress: P
     for digest, (key, offset, _, _) in found.items():
         if (digest, key, offset) not in hints:
             hints[(digest, key, offset)] = blobs.read(key, offset, offset + 1)[0]
+    bases = _delta_bases(blobs, found, hints)
     catalog.restore_packs(good)
     catalog.restore_chunks(
-        [RestoredChunk(d, k, o, n, raw, hints[(d, k, o)]) for d, (k, o, n, raw) in found.items()]
+        [
+            RestoredChunk(d, k, o, n, raw, hints[(d, k, o)], *bases.get(d, (None, None)))
+            for d, (k, o, n, raw) in found.items()
+        ]
     )
 
     # 2. which record of each step wins

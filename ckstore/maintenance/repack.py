@@ -29,9 +29,10 @@ from datetime import timedelta
 import numpy as np
 
 from ..blobstore import BlobStore
-from ..catalog import Catalog, NewChunk, RepackCandidate, utcnow
-from ..errors import IntegrityError
-from ..format import codec, hashing
+from ..catalog import Catalog, ChunkLocation, NewChunk, RepackCandidate, utcnow
+from ..checkout.bases import Bases
+from ..errors import ChunkNotFoundError, IntegrityError
+from ..format import hashing
 from ..format.codec import Frame
 from ..format.pack import PackedChunk, PackWriter, new_pack_key
 
@@ -96,13 +97,14 @@ def repack(
             out.append((pack_id, size, chunks))
 
         writer = PackWriter(blobs, pack_size, on_open, on_close)
+        bases = Bases(blobs, catalog.chunk_locations)
         try:
             for old in group:
                 data = blobs.read(old.key)
                 for ch in catalog.live_chunks(old.id):
                     frame = data[ch.offset : ch.offset + ch.length]
-                    _verify(frame, ch, old.key)
-                    writer.add(ch.digest, Frame(ch.codec, (frame,), len(frame)), ch.raw_size)
+                    _verify(frame, ch, old.key, bases)
+                    writer.add(ch.digest, Frame(ch.codec, (frame,), len(frame)), ch.raw_size, ch.chain)
             writer.close()
         except BaseException:
             writer.abort()
@@ -121,11 +123,11 @@ def repack(
     return RepackReport(rewritten, written, moved, before, after, skipped, time.perf_counter() - t0)
 
 
-def _verify(frame: bytes, c: NewChunk, key: str) -> None:
+def _verify(frame: bytes, c: NewChunk, key: str, bases: Bases) -> None:
     out = np.empty(c.raw_size, dtype=np.uint8)
     try:
-        codec.decode_into(frame, out.data)
-    except IntegrityError as e:
+        bases.decode(frame, ChunkLocation(key, c.offset, c.length, c.raw_size, c.codec, c.base), out.data)
+    except (IntegrityError, ChunkNotFoundError) as e:
         raise IntegrityError(f"chunk {c.digest.hex()} in {key} is corrupt ({e}); run `ckstore fsck --deep`") from e
     if hashing.digest(out.data) != c.digest:
         raise IntegrityError(

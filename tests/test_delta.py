@@ -1,0 +1,285 @@
+"""Delta chunks (``ckstore.open(..., delta_chain=N)``): a changed chunk stored as its XOR with the
+same chunk of the previous commit; every reader decodes through its bases, and gc, fsck, copy,
+repack and recovery keep the bases a delta needs."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_clean, assert_same
+from sqlalchemy import text
+
+import ckstore
+from ckstore.errors import CkstoreError, IntegrityError
+from ckstore.format import codec, hashing
+from ckstore.format.manifest import Manifest
+from ckstore.retention import LatestN
+
+SETTINGS = {"chunk_size": 64 * 1024, "pack_size": 1 << 20}
+
+
+def _states(steps: int, seed: int = 0) -> list[dict[int, dict[str, Any]]]:
+    """A model and its optimizer moments drifting a little each step, as training does."""
+    g = torch.Generator().manual_seed(seed)
+    w, m = torch.randn(40_000, generator=g), torch.randn(20_000, generator=g).abs()
+    out = []
+    for step in range(steps):
+        w = w + 1e-4 * torch.randn(w.shape, generator=g)
+        m = m * 0.999 + 1e-6 * torch.randn(m.shape, generator=g).abs()
+        out.append({0: {"model": {"w": w.clone(), "bias": torch.full((8,), float(step))}, "optim": {"m": m.clone()}}})
+    return out
+
+
+def _rows(path: Path, sql: str) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path / "catalog.db") as conn:
+        return conn.execute(sql).fetchall()
+
+
+def _deltas(path: Path) -> list[tuple[bytes, bytes, int]]:
+    return [(bytes(d), bytes(b), c) for d, b, c in _rows(path, "SELECT digest, base, chain FROM chunks WHERE codec = 3")]
+
+
+def _stored(path: Path) -> int:
+    return int(_rows(path, "SELECT coalesce(sum(length), 0) FROM chunks")[0][0])
+
+
+def test_delta_frames_round_trip_and_need_their_base() -> None:
+    g = np.random.default_rng(0)
+    base = g.standard_normal(1 << 16).astype(np.float32)
+    new = base + np.float32(1e-4) * g.standard_normal(base.size).astype(np.float32)
+    raw, braw = new.view(np.uint8).data, base.view(np.uint8).data
+    frame = codec.encode_delta(raw, braw, hashing.digest(braw), 4)
+    data = b"".join(frame.parts)
+    assert frame.codec == codec.CODEC_DELTA and frame.length == len(data)
+    assert frame.length < 0.6 * codec.encode(raw, 4).length  # what the delta is for
+    assert codec.delta_base(data) == hashing.digest(braw) and codec.delta_itemsize(data) == 4
+    out = np.empty(new.nbytes, dtype=np.uint8)
+    codec.decode_into(data, out.data, base=braw)
+    assert out.tobytes() == new.tobytes()
+    with pytest.raises(IntegrityError, match="without its base"):
+        codec.decode_into(data, out.data)
+    with pytest.raises(IntegrityError, match="has a base of"):
+        codec.decode_into(data, out.data, base=braw[:-4])
+    whole = b"".join(codec.encode(raw, 4).parts)
+    assert codec.delta_base(whole) is None
+    with pytest.raises(IntegrityError, match="not a delta"):
+        codec.decode_into(whole, out.data, base=braw)
+    nested = data[: codec.DELTA_OVERHEAD] + data  # a delta frame inside a delta frame
+    with pytest.raises(IntegrityError, match="another delta"):
+        codec.decode_into(nested, out.data, base=braw)
+
+
+def test_deltas_store_fewer_bytes_and_every_step_checks_out(tmp_path: Path) -> None:
+    states = _states(9)
+    plain = ckstore.open(tmp_path / "plain", run="r", **SETTINGS)
+    delta = ckstore.open(tmp_path / "delta", run="r", delta_chain=3, **SETTINGS)
+    for step, st in enumerate(states):
+        plain.commit(step, st)
+        delta.commit(step, st)
+    deltas = _deltas(tmp_path / "delta")
+    assert deltas and all(1 <= chain <= 3 for _, _, chain in deltas)
+    assert max(chain for _, _, chain in deltas) == 3  # the chain is cut at its bound
+    assert _stored(tmp_path / "delta") < 0.85 * _stored(tmp_path / "plain")
+    assert not _deltas(tmp_path / "plain")
+    for step, st in enumerate(states):
+        assert_same(delta.checkout(step), st)
+    # a tiny tensor is never tried as a delta: its rows are whole chunks
+    sizes = {int(n) for n, in _rows(tmp_path / "delta", "SELECT raw_size FROM chunks WHERE codec = 3")}
+    assert min(sizes) >= 4096
+    assert_clean(delta)
+
+
+def test_each_checkpoint_references_the_bases_of_its_deltas_and_no_other_candidate(store_path: Path) -> None:
+    s = ckstore.open(store_path, run="r", delta_chain=4, **SETTINGS)
+    for step, st in enumerate(_states(4)):
+        s.commit(step, st)
+    g = torch.Generator().manual_seed(7)  # step 4: all new bytes, no delta pays
+    fresh = {0: {"model": {"w": torch.randn(40_000, generator=g), "bias": torch.zeros(8)},
+                 "optim": {"m": torch.randn(20_000, generator=g)}}}  # fmt: skip
+    last = s.commit(4, fresh)
+    refs = _rows(
+        store_path,
+        "SELECT c.id, c.digest, c.base FROM chunk_refs r JOIN chunks c ON c.id = r.chunk_id "
+        f"WHERE r.checkpoint_id = {last.id}",
+    )
+    assert all(b is None for _, _, b in refs)  # whole chunks, and no base pinned for nothing
+    held = {bytes(d) for _, d, _ in refs}
+    assert held == {d for _, _, m in s.catalog.entries(last.id) for d in Manifest.from_bytes(m).digests()}
+    for ck in s.checkpoints(run="r")[:-1]:  # every earlier checkpoint holds its whole chains
+        rows = _rows(
+            store_path,
+            "SELECT c.digest, c.base FROM chunk_refs r JOIN chunks c ON c.id = r.chunk_id "
+            f"WHERE r.checkpoint_id = {ck.id}",
+        )
+        digests = {bytes(d) for d, _ in rows}
+        assert all(b is None or bytes(b) in digests for _, b in rows)
+
+
+def test_gc_keeps_the_bases_of_what_it_keeps(store_path: Path) -> None:
+    states = _states(7)
+    s = ckstore.open(store_path, run="r", delta_chain=3, **SETTINGS)
+    for step, st in enumerate(states):
+        s.commit(step, st)
+    deep = [c for c in _deltas(store_path) if c[2] == 3]
+    assert deep  # the last checkpoint to keep below holds deltas whose chains start in dropped steps
+    s.gc(LatestN(1), grace=0)
+    assert [c.step for c in s.checkpoints(run="r")] == [6]
+    assert _deltas(store_path)  # the kept checkpoint's chain survived
+    assert_same(s.checkout(6), states[6])
+    assert_clean(s)
+    # the next commit, after the sweep, writes deltas against what is left
+    s.commit(7, _states(8)[7])
+    assert_same(s.checkout(7), _states(8)[7])
+    s.gc(LatestN(1), grace=0)
+    assert_clean(s)
+
+
+def test_a_damaged_base_is_reported_and_never_decoded_into_wrong_bytes(store_path: Path) -> None:
+    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
+    for step, st in enumerate(_states(2)):
+        s.commit(step, st)
+    digest, base, _ = _deltas(store_path)[0]
+    key, offset, length = _rows(
+        store_path, f"SELECT p.key, c.offset, c.length FROM chunks c JOIN packs p ON p.id = c.pack_id WHERE c.digest = x'{base.hex()}'"
+    )[0]
+    pack = store_path / key
+    data = bytearray(pack.read_bytes())
+    data[offset + length - 3] ^= 0xFF  # inside the base's frame: its last plane is raw bytes
+    pack.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=f"base chunk {base.hex()}"):
+        s.checkout(1)
+    report = s.fsck(deep=True, grace=0)
+    bad = {d.chunk for d in report.damage}
+    assert base.hex() in bad and digest.hex() in bad, [d.describe() for d in report.damage]
+
+
+def test_copy_sends_deltas_as_whole_chunks(tmp_path: Path) -> None:
+    states = _states(4)
+    src = ckstore.open(tmp_path / "src", run="r", delta_chain=3, **SETTINGS)
+    for step, st in enumerate(states):
+        src.commit(step, st)
+    assert _deltas(tmp_path / "src")
+    dest = ckstore.open(tmp_path / "dest", **SETTINGS)
+    rep = src.copy(["r@3"], dest)  # only the last step: none of its bases travel
+    assert rep.copied == ("r@3",)
+    assert not _deltas(tmp_path / "dest")
+    assert_same(dest.checkout("r@3"), states[3])
+    assert_clean(dest)
+
+
+def test_recover_restores_the_bases_of_deltas(store_path: Path) -> None:
+    states = _states(5)
+    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
+    for step, st in enumerate(states):
+        s.commit(step, st)
+    before = sorted(_deltas(store_path))
+    s.close()
+    for suffix in ("", "-wal", "-shm"):
+        p = store_path / f"catalog.db{suffix}"
+        if p.exists():
+            p.unlink()
+    s = ckstore.open(store_path, run="r")
+    assert s.recover().ok
+    assert sorted(_deltas(store_path)) == before
+    for step, st in enumerate(states):
+        assert_same(s.checkout(step), st)
+    s.gc(LatestN(1), grace=0)  # the restored references hold the chains too
+    assert_same(s.checkout(4), states[4])
+    assert_clean(s)
+
+
+def test_repack_moves_deltas_and_their_bases(store_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    states, w = [], torch.randn(16_000, generator=g)
+    for _ in range(5):  # one drifting chunk, beside noise that no delta shrinks
+        w = w + 1e-4 * torch.randn(w.shape, generator=g)
+        states.append({0: {"m": {"w": w.clone(), "noise": torch.randn(40_000, generator=g)}}})
+    s = ckstore.open(store_path, run="r", delta_chain=4, chunk_size=64 * 1024, pack_size=1 << 20)
+    for step, st in enumerate(states):
+        s.commit(step, st)
+    s.gc(LatestN(1), grace=0)  # the packs of steps 0-3 keep only their chunks of w: step 4's chain
+    assert len(_deltas(store_path)) == 4
+    report = s.gc(grace=0, repack=True).repack
+    assert report is not None and report.chunks_moved >= 4
+    assert len(_deltas(store_path)) == 4
+    assert_same(s.checkout(4), states[4])
+    assert_clean(s)
+
+
+def test_asynchronous_commits_write_deltas(store_path: Path) -> None:
+    states = _states(5)
+    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
+    for step, st in enumerate(states):
+        s.commit(step, st, blocking=False)
+    s.wait()
+    assert _deltas(store_path)
+    for step, st in enumerate(states):
+        assert_same(s.checkout(step), st)
+
+
+def test_a_failed_commit_writes_no_delta_against_its_chunks(store_path: Path) -> None:
+    states = _states(3)
+    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
+    s.commit(0, states[0])
+    s.commit(1, states[1])
+    with pytest.raises(ckstore.errors.AlreadyExistsError):
+        s.commit(1, states[2])  # refused: nothing of it is stored
+    n = len(_deltas(store_path))
+    s.commit(2, states[2])
+    assert len(_deltas(store_path)) == n  # whole chunks: the cache was dropped with the failure
+    assert_same(s.checkout(2), states[2])
+
+
+@pytest.mark.parametrize("chain", [-1, 17, True, 2.0])
+def test_delta_settings_are_checked(store_path: Path, chain: Any) -> None:
+    with pytest.raises(CkstoreError, match="delta_chain must be an int from 0"):
+        ckstore.open(store_path, delta_chain=chain)
+    with pytest.raises(CkstoreError, match="delta_memory must be"):
+        ckstore.open(store_path, delta_chain=2, delta_memory=-1)
+
+
+def test_the_memory_budget_bounds_what_is_kept(tmp_path: Path) -> None:
+    bounded = ckstore.open(tmp_path / "bounded", run="r", delta_chain=2, delta_memory=100_000, **SETTINGS)
+    unbounded = ckstore.open(tmp_path / "unbounded", run="r", delta_chain=2, **SETTINGS)
+    for step, st in enumerate(_states(3)):
+        bounded.commit(step, st)
+        unbounded.commit(step, st)
+    # 100,000 bytes hold a 64 KiB and a 32 KiB chunk of the state's 240 KB: two deltas a step
+    assert len(_deltas(tmp_path / "bounded")) == 2 * 2 < len(_deltas(tmp_path / "unbounded"))
+    assert_clean(bounded)
+
+
+def test_deltas_on_a_postgresql_catalog(store_path: Path, pg_catalog_url: str) -> None:
+    states = _states(6)
+    s = ckstore.open(store_path, run="r", catalog=pg_catalog_url, delta_chain=3, **SETTINGS)
+    for step, st in enumerate(states[:5]):
+        s.commit(step, st)
+    with s.catalog.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM chunks WHERE codec = 3 AND base IS NOT NULL")).scalar()
+    with s.catalog.snapshot() as survey:
+        assert survey.unreferenced_chunks() == (0, 0)  # the unused candidate bases were let go
+    s.gc(LatestN(1), grace=0)
+    assert_same(s.checkout(4), states[4])
+    s.commit(5, states[5])  # a delta against the chain gc kept
+    for step in (4, 5):
+        assert_same(s.checkout(step), states[step])
+    assert_clean(s)
+    s.close()
+
+
+def test_collective_commits_write_deltas_on_every_rank(tmp_path: Path) -> None:
+    from test_distributed import run_job
+
+    path = tmp_path / "store"
+    ckstore.open(path, run="exp", **SETTINGS).close()
+    reports = run_job("delta", 2, path, tmp_path)
+    assert all(r["ok"] for r in reports)
+    # both ranks' own shards and the replicated tensor (written by one of them) went as deltas
+    assert len({b for _, b, _ in _deltas(path)}) >= 3 * 2
+    with ckstore.open(path, run="exp") as s:
+        assert_clean(s)
