@@ -347,7 +347,7 @@ class CommitMixin(RunsMixin):
         unused: Sequence[int],
     ) -> int:
         added = 0
-        deltas = False  # whether a chunk referenced here is a delta
+        deltas = False  # whether a chunk referenced here may be a delta whose chain is not referenced yet
         # digest order across every pack: two commits inserting overlapping chunks lock them in
         # the same order, so on PostgreSQL one waits for the other instead of deadlocking
         ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
@@ -364,7 +364,6 @@ class CommitMixin(RunsMixin):
                 conn,
                 [(c.digest, pack_id, c.offset, c.length, c.raw_size, c.codec, c.base, c.chain) for pack_id, c in batch],
             )
-            deltas = deltas or any(c.base is not None for _, c in batch)
             if inserted == len(batch):  # every row ours: what they add is known, and their
                 added += sum(c.length for _, c in batch)  # references go in by pack, below
                 continue
@@ -381,7 +380,9 @@ class CommitMixin(RunsMixin):
         for pack_id, _, chunks in packs:
             if chunks:
                 execute(conn, st.refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
-        if deltas:  # (their bases were claimed; a base of a base may not have been)
+        # a delta of this commit decodes against a base its claim referenced, with the whole
+        # chain below it; a row another commit recorded first may be a delta of another base
+        if deltas:
             reference_bases(conn, ckpt_id)
         return added
 

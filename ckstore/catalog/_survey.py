@@ -109,6 +109,15 @@ class Survey:
         )
         return {bytes(d): int(raw) for (d, raw) in rows}
 
+    def delta_bases(self, ckpt_id: int) -> dict[bytes, bytes]:
+        """Digest -> base digest of the delta chunks a checkpoint references."""
+        rows = self._conn.execute(
+            select(CHUNKS.c.digest, CHUNKS.c.base)
+            .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id))
+            .where(CHUNK_REFS.c.checkpoint_id == ckpt_id, CHUNKS.c.base.is_not(None))
+        )
+        return {bytes(d): bytes(b) for (d, b) in rows}
+
     def packs_in_use(self) -> list[PackExtent]:
         """Every pack row that holds chunk rows, by id."""
         rows = self._conn.execute(

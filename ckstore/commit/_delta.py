@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,9 @@ DEFAULT_DELTA_MEMORY = 1 << 30
 #: a delta frame this much smaller than the raw chunk is kept without encoding the whole chunk
 #: too (a whole fp32 chunk of weights takes ~84% of raw, bf16 ~67%)
 _CLEARLY_SMALLER = 0.6
+#: a delta this much smaller than the estimated whole frame is kept without encoding the whole
+#: chunk to compare (the estimate errs by a few percent: a delta must save more than that)
+_MUCH_SMALLER = 0.95
 #: chunks shorter than this are not tried as deltas: a few hundred bytes saved at best, for a
 #: base claimed and read on checkout
 _MIN_DELTA = 4096
@@ -48,6 +51,9 @@ class DeltaPlan:
     bases: Mapping[bytes, bytes]
     usable: Mapping[bytes, int]
     cache: DeltaCache
+    #: filled while writing: for each chunk written, the length its whole frame has or would
+    #: have had (a delta's: its base's estimate), which the next commit's deltas are weighed by
+    wholes: dict[bytes, int] = field(default_factory=dict)
 
 
 class DeltaCache:
@@ -60,6 +66,7 @@ class DeltaCache:
         self._places: dict[Place, tuple[bytes, np.ndarray]] = {}
         self._by_digest: dict[bytes, np.ndarray] = {}
         self._depth: dict[bytes, int] = {}  # chain depth of the cached chunks this process wrote
+        self._whole: dict[bytes, int] = {}  # their whole frames' lengths, where known
 
     def candidates(self, places: Sequence[tuple[Place, bytes, int]]) -> dict[bytes, bytes]:
         """``{digest: base digest}`` for the chunks (``(place, digest, length)``) whose place
@@ -81,11 +88,20 @@ class DeltaCache:
             a = self._by_digest.get(digest)
         return None if a is None else a.data
 
-    def remember(self, chunks: Sequence[tuple[Place, bytes, memoryview]], depths: Mapping[bytes, int]) -> None:
+    def whole(self, digest: bytes) -> int | None:
+        """The length of the whole frame of cached chunk ``digest`` (of the chain's first chunk,
+        for a delta), where this process wrote it."""
+        with self._lock:
+            return self._whole.get(digest)
+
+    def remember(
+        self, chunks: Sequence[tuple[Place, bytes, memoryview]], depths: Mapping[bytes, int], wholes: Mapping[bytes, int]
+    ) -> None:
         """After a commit: keep a copy of each chunk ``(place, digest, raw bytes)`` of it, in place
         of the previous commit's, as far as the memory budget goes; an unchanged chunk is not
         copied again. Never written into in place: a commit in flight may be XORing against a
-        buffer this replaces. ``depths``: the chain depth of the chunks the commit wrote itself."""
+        buffer this replaces. ``depths``: the chain depth of the chunks the commit wrote itself;
+        ``wholes``: their whole frames' lengths (see :attr:`DeltaPlan.wholes`)."""
         with self._lock:
             old = self._places
             places: dict[Place, tuple[bytes, np.ndarray]] = {}
@@ -103,22 +119,34 @@ class DeltaCache:
             self._places = places
             self._by_digest = {d: a for d, a in places.values()}
             self._depth = {d: k for d in self._by_digest if (k := depths.get(d, self._depth.get(d, 0)))}
+            self._whole = {d: n for d in self._by_digest if (n := wholes.get(d, self._whole.get(d, 0)))}
 
     def clear(self) -> None:
         """Forget every chunk (after a failed commit: its chunks may not be stored)."""
         with self._lock:
-            self._places, self._by_digest, self._depth = {}, {}, {}
+            self._places, self._by_digest, self._depth, self._whole = {}, {}, {}, {}
 
 
-def encode(raw: memoryview, itemsize: int, level: int, base: bytes, plan: DeltaPlan) -> tuple[codec.Frame, int | None]:
-    """The frame to store for a changed chunk with candidate ``base``, and its chain depth (None:
-    a whole chunk): a delta when the base is usable and the delta is the smaller frame."""
+def encode(
+    raw: memoryview, itemsize: int, level: int, digest: bytes, base: bytes, plan: DeltaPlan
+) -> tuple[codec.Frame, int | None]:
+    """The frame to store for changed chunk ``digest`` with candidate ``base``, and its chain
+    depth (None: a whole chunk): a delta when the base is usable and the delta is the smaller
+    frame. The whole frame's length is estimated by the whole frame that started the base's
+    chain (successive states of a tensor compress alike); without an estimate, or when the
+    delta saves little against it, the chunk is encoded whole too and the smaller kept."""
     depth = plan.usable.get(base)
     held = plan.cache.base(base) if depth is not None else None
     if held is None or depth is None:
-        return codec.encode(raw, itemsize, level), None
+        whole = codec.encode(raw, itemsize, level)
+        plan.wholes[digest] = whole.length
+        return whole, None
     delta = codec.encode_delta(raw, held, base, itemsize, level)
-    if delta.length <= _CLEARLY_SMALLER * raw.nbytes:
+    estimate = plan.cache.whole(base)
+    if delta.length <= _CLEARLY_SMALLER * raw.nbytes or (estimate and delta.length <= _MUCH_SMALLER * estimate):
+        if estimate:
+            plan.wholes[digest] = estimate
         return delta, depth + 1
     whole = codec.encode(raw, itemsize, level)
+    plan.wholes[digest] = whole.length
     return (delta, depth + 1) if delta.length < whole.length else (whole, None)

@@ -343,10 +343,10 @@ def write_missing(
             base = delta.bases.get(d) if delta is not None else None
             if base is not None and delta is not None and base in delta.usable:
                 if small or inline:
-                    frame, chain = _delta.encode(raw, st.itemsize, level, base, delta)
+                    frame, chain = _delta.encode(raw, st.itemsize, level, d, base, delta)
                     add(d, frame, chain, raw=raw)
                     continue
-                inflight.append((d, raw, pool.submit(_delta.encode, raw, st.itemsize, level, base, delta)))
+                inflight.append((d, raw, pool.submit(_delta.encode, raw, st.itemsize, level, d, base, delta)))
             elif small:
                 batch.append((d, raw, st.itemsize))
                 batch_bytes += raw.nbytes

@@ -192,6 +192,7 @@ class StagedCommit:
         self.rank_bases: list[list[bytes]] = []  # rank 0: every rank's candidate bases
         self.claimed_bases: set[bytes] = set()  # rank 0: the candidate bases its claim referenced
         self.depths: dict[bytes, int] = {}  # the chain depth of the deltas this rank wrote
+        self.delta_plan: DeltaPlan | None = None  # what this rank may write as deltas
 
     @property
     def what(self) -> str:
@@ -438,7 +439,7 @@ class StagedCommit:
             writer = PackWriter(self.ctx.blobs, cfg.pack_size, on_open, on_close)
             delta = None
             if self.ctx.delta is not None and self.usable:
-                delta = DeltaPlan(self.bases, self.usable, self.ctx.delta)
+                delta = self.delta_plan = DeltaPlan(self.bases, self.usable, self.ctx.delta)
             _stage.write_missing(
                 self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
                 level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick, threads=self.ctx.workers,
@@ -515,6 +516,7 @@ class StagedCommit:
             self.ctx.delta.remember(
                 [(place, d, st.chunk(place[3], cs)) for st, (place, d, _) in zip(self._staged_chunks(), self._places())],
                 self.depths,
+                self.delta_plan.wholes if self.delta_plan is not None else {},
             )
         return ckpt
 

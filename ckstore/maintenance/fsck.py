@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..blobstore import BlobNotFoundError, BlobStore
 from ..catalog import Catalog, CheckpointId, ChunkSpan, PackExtent, Survey, utcnow
+from ..config import MAX_DELTA_CHAIN
 from ..errors import BlobStoreError, ChunkNotFoundError, IntegrityError
 from ..format.manifest import MAX_CHUNK_SIZE, Manifest, TensorRecord, check_pieces
 from .gc import (
@@ -213,6 +214,28 @@ def _shallow(
     return bad
 
 
+def _chain_problem(
+    d: bytes, refs: Mapping[bytes, int], bases: Mapping[bytes, bytes], bad: Mapping[bytes, tuple[str, str]]
+) -> tuple[str, str, bytes] | None:
+    """What keeps delta ``d`` of a checkpoint from decoding, down its chain of bases: ``(pack key,
+    problem, base)``, or None when every base is referenced by the checkpoint and undamaged."""
+    at = d
+    for _ in range(MAX_DELTA_CHAIN):
+        b = bases.get(at)
+        if b is None:
+            return None
+        if b in bad:
+            key, why = bad[b]
+            return key, f"its delta base chunk {b.hex()} is damaged: {why}", b
+        if b not in refs:
+            return "", (
+                f"its delta base chunk {b.hex()} has no reference from this checkpoint (or no row), so nothing "
+                "protects it from gc (and it may already be gone)"
+            ), b
+        at = b
+    return "", f"its chain of delta bases is longer than {MAX_DELTA_CHAIN}", at
+
+
 def _walk_manifests(
     survey: Survey, ckpts: Sequence[CheckpointId], bad: Mapping[bytes, tuple[str, str]]
 ) -> tuple[list[Damage], set[bytes]]:
@@ -221,6 +244,7 @@ def _walk_manifests(
     used_bad: set[bytes] = set()
     for ck in ckpts:
         refs = survey.referenced_chunks(ck.id)
+        bases = survey.delta_bases(ck.id)
         pieces: dict[tuple[str, str], tuple[int, list[TensorRecord]]] = {}
         for rank, sub_key, raw in survey.entries(ck.id):
             try:
@@ -255,6 +279,11 @@ def _walk_manifests(
                                 "protects it from gc (and it may already be gone)",
                             )
                         )  # fmt: skip
+                    elif d in bases and (chain := _chain_problem(d, refs, bases, bad)) is not None:
+                        key, why, base = chain
+                        if base in bad:
+                            used_bad.add(base)
+                        damage.append(Damage(ck.run, ck.step, rank, sub_key, t.path, d.hex(), key, why))
         for (sub_key, path), (rank, recs) in pieces.items():
             try:
                 check_pieces(recs, f"{sub_key}, key {path!r}")
