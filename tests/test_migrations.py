@@ -63,3 +63,26 @@ def test_db_upgrade_from_base(tmp_path: Path) -> None:
     s.commit(1, {0: {"m": {"w": torch.ones(2)}}})
     res = CliRunner().invoke(main, ["--store", str(store_path), "db", "upgrade"])
     assert "already at schema revision" in res.output
+
+
+def test_a_catalog_of_revision_0001_with_checkpoints_upgrades_to_delta_chunks(tmp_path: Path) -> None:
+    store_path = tmp_path / "s"
+    s = ckstore.open(store_path, run="r", chunk_size=64 * 1024)
+    w = torch.randn(40_000)
+    s.commit(1, {0: {"m": {"w": w}}})
+    s.close()
+    db = store_path / "catalog.db"
+    command.downgrade(_cfg(db), "0001")  # the schema before delta chunks, its rows kept
+    assert catalog_tools.scalar(db, "SELECT version_num FROM alembic_version") == "0001"
+    with pytest.raises(ckstore.SchemaVersionError, match="needs 0002"):
+        ckstore.open(store_path)
+    res = CliRunner().invoke(main, ["--store", str(store_path), "db", "upgrade"])
+    assert res.exit_code == 0, res.output
+    s = ckstore.open(store_path, run="r", delta_chain=2)
+    assert torch.equal(s.checkout(1)[0]["m"]["w"], w)
+    s.commit(1, {0: {"m": {"w": w}}}, replace=True)  # the store object's base for step 2
+    w2 = w + 1e-4
+    s.commit(2, {0: {"m": {"w": w2}}})
+    assert catalog_tools.scalar(db, "SELECT count(*) FROM chunks WHERE codec = 3") > 0
+    assert torch.equal(s.checkout(2)[0]["m"]["w"], w2)
+    assert s.fsck(deep=True).ok
