@@ -56,7 +56,10 @@ class Bases:
     def decode(self, frame: memoryview | bytes, loc: ChunkLocation, dest: memoryview) -> None:
         """Decode one chunk's ``frame`` into ``dest``; a delta's bases are read and verified
         first. Raises :class:`IntegrityError` for a malformed frame or a damaged base and
-        :class:`ChunkNotFoundError` for a missing one; the caller verifies the chunk's digest."""
+        :class:`ChunkNotFoundError` for a missing one; the caller verifies the chunk's digest.
+
+        A chain decodes in place: its whole chunk into ``dest``, then each delta above it XORed
+        in (one scratch buffer for the chain), each level verified against its digest."""
         base = codec.delta_base(frame)
         if base != loc.base:
             raise IntegrityError(
@@ -66,13 +69,33 @@ class Bases:
         if base is None:
             codec.decode_into(frame, dest)
             return
-        codec.decode_into(frame, dest, base=self.raw(base, memoryview(dest).nbytes, 1))
+        size = memoryview(dest).nbytes
+        chain = [(base, self._frame(base, size))]  # the bases, from the nearest down
+        while (below := codec.delta_base(chain[-1][1])) is not None:
+            if len(chain) >= MAX_DELTA_CHAIN:
+                raise IntegrityError(
+                    f"base chunk {chain[-1][0].hex()} is more than {MAX_DELTA_CHAIN} deltas deep; the catalog is damaged"
+                )
+            chain.append((below, self._frame(below, size)))
+        out = np.frombuffer(dest, dtype=np.uint8)
+        scratch = np.empty(size, dtype=np.uint8)
+        for i in range(len(chain) - 1, -1, -1):
+            digest, data = chain[i]
+            try:
+                if i == len(chain) - 1:
+                    codec.decode_into(data, out.data)
+                else:
+                    codec.apply_delta(data, out.data, scratch.data)
+            except IntegrityError as e:
+                raise IntegrityError(f"base chunk {digest.hex()} is corrupt: {e}") from e
+            if hashing.digest(out.data) != digest:
+                raise IntegrityError(f"base chunk {digest.hex()} does not match its digest; the stored bytes are corrupt")
+        codec.apply_delta(frame, out.data, scratch.data)
 
-    def raw(self, digest: bytes, size: int, depth: int) -> memoryview:
-        """The verified raw bytes of base chunk ``digest``, which must be ``size`` bytes long."""
+    def _frame(self, digest: bytes, size: int) -> memoryview:
+        """The stored frame of base chunk ``digest``, which must decode to ``size`` bytes; its
+        catalog row checked against the frame and the pack's bounds before anything is read."""
         what = f"base chunk {digest.hex()}"
-        if depth > MAX_DELTA_CHAIN:
-            raise IntegrityError(f"{what} is more than {MAX_DELTA_CHAIN} deltas deep; the catalog is damaged")
         loc = self.known.get(digest)
         if loc is None:
             loc = self.locate([digest]).get(digest)
@@ -91,15 +114,10 @@ class Bases:
             raise ChunkNotFoundError(f"pack {loc.pack_key} holding {what} is missing from the blob store") from e
         if frame.nbytes != loc.length:
             raise IntegrityError(f"pack {loc.pack_key} ends inside the frame of {what}")
-        out = np.empty(size, dtype=np.uint8)
         try:
             below = codec.delta_base(frame)
-            if below != loc.base:
-                raise IntegrityError("its frame and the catalog name different bases")
-            base = self.raw(below, size, depth + 1) if below is not None else None
-            codec.decode_into(frame, out.data, base=base)
         except IntegrityError as e:
             raise IntegrityError(f"{what} is corrupt: {e}") from e
-        if hashing.digest(out.data) != digest:
-            raise IntegrityError(f"{what} does not match its digest; the stored bytes are corrupt")
-        return out.data
+        if below != loc.base:
+            raise IntegrityError(f"{what} is corrupt: its frame and the catalog name different bases")
+        return frame

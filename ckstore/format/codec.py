@@ -45,6 +45,7 @@ __all__ = [
     "encode_delta",
     "delta_base",
     "delta_itemsize",
+    "apply_delta",
     "encode_many",
     "decode_into",
     "raw_length",
@@ -363,6 +364,30 @@ def decode_into(frame: memoryview | bytes, dest: memoryview, base: memoryview | 
             raise IntegrityError(f"unknown chunk codec {codec}")
     except zstandard.ZstdError as e:
         raise IntegrityError(f"chunk frame does not decompress: {e}") from e
+
+
+def apply_delta(frame: memoryview | bytes, dest: memoryview, scratch: memoryview) -> None:
+    """Turn ``dest``, which holds the raw bytes of a delta frame's base, into the delta's chunk:
+    the frame's XOR is decoded into ``scratch`` (as long as ``dest``) and XORed into ``dest``.
+    A chain of deltas decodes in place this way, from its whole chunk up, with one scratch
+    buffer; the caller verifies each level's digest."""
+    fv = memoryview(frame).cast("B") if memoryview(frame).format != "B" else memoryview(frame)
+    if fv.nbytes < HEADER_SIZE:
+        raise IntegrityError(f"chunk frame of {fv.nbytes} bytes is shorter than its header")
+    codec, itemsize, mask, n = _HEADER.unpack_from(fv, 0)
+    out = memoryview(dest).cast("B") if memoryview(dest).format != "B" else memoryview(dest)
+    if codec != CODEC_DELTA:
+        raise IntegrityError(f"chunk frame of codec {codec} is not a delta")
+    if out.nbytes != n or memoryview(scratch).nbytes != n:
+        raise IntegrityError(f"delta chunk frame holds {n} raw bytes, expected {out.nbytes}")
+    if (itemsize, mask) != (1, 0):
+        raise IntegrityError(f"delta chunk frame has itemsize {itemsize} and plane mask {mask:#x}")
+    inner = fv[DELTA_OVERHEAD:]
+    if inner.nbytes >= 1 and inner[0] == CODEC_DELTA:
+        raise IntegrityError("delta chunk frame holds another delta frame")
+    decode_into(inner, scratch)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    np.bitwise_xor(dst, np.frombuffer(scratch, dtype=np.uint8), out=dst)
 
 
 def _delta_into(fv: memoryview, out: memoryview, itemsize: int, mask: int, base: memoryview | None) -> None:
