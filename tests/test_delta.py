@@ -72,6 +72,16 @@ def test_delta_frames_round_trip_and_need_their_base() -> None:
     nested = data[: codec.DELTA_OVERHEAD] + data  # a delta frame inside a delta frame
     with pytest.raises(IntegrityError, match="another delta"):
         codec.decode_into(nested, out.data, base=braw)
+    # in place, as a chain decodes: the base's bytes become the delta's chunk
+    inplace, scratch = base.view(np.uint8).copy(), np.empty(new.nbytes, dtype=np.uint8)
+    codec.apply_delta(data, inplace.data, scratch.data)
+    assert inplace.tobytes() == new.tobytes()
+    with pytest.raises(IntegrityError, match="not a delta"):
+        codec.apply_delta(whole, inplace.data, scratch.data)
+    with pytest.raises(IntegrityError, match="raw bytes, expected"):
+        codec.apply_delta(data, inplace.data, scratch[:-4].data)
+    with pytest.raises(IntegrityError, match="another delta"):
+        codec.apply_delta(nested, inplace.data, scratch.data)
 
 
 def test_deltas_store_fewer_bytes_and_every_step_checks_out(tmp_path: Path) -> None:
@@ -358,3 +368,18 @@ def test_a_delta_commit_killed_mid_way_damages_nothing(store_path: Path, point: 
     s.commit(2, states[2])  # a delta against the step the killed commit wrote deltas against
     assert_same(s.checkout(2), states[2])
     assert_clean(s)
+
+
+def test_a_catalog_row_naming_another_base_is_refused(store_path: Path) -> None:
+    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
+    for step, st in enumerate(_states(2)):
+        s.commit(step, st)
+    digest, base, _ = _deltas(store_path)[0]
+    with sqlite3.connect(store_path / "catalog.db") as conn:  # a damaged row: the delta is its own base
+        conn.execute("UPDATE chunks SET base = digest WHERE digest = ?", (digest,))
+    with pytest.raises(IntegrityError, match=f"its frame names base {base.hex()}, the catalog {digest.hex()}"):
+        s.checkout(1)
+    shallow = s.fsck(grace=0)
+    assert any("longer than 16" in d.problem for d in shallow.damage), [d.describe() for d in shallow.damage]
+    deep = s.fsck(deep=True, grace=0)
+    assert digest.hex() in {d.chunk for d in deep.damage}
