@@ -383,3 +383,23 @@ def test_a_catalog_row_naming_another_base_is_refused(store_path: Path) -> None:
     assert any("longer than 16" in d.problem for d in shallow.damage), [d.describe() for d in shallow.damage]
     deep = s.fsck(deep=True, grace=0)
     assert digest.hex() in {d.chunk for d in deep.damage}
+
+
+def test_diff_and_export_read_deltas(store_path: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from ckstore.integrations.files import export_checkpoint
+
+    states = _states(4)
+    s = ckstore.open(store_path, run="r", delta_chain=3, **SETTINGS)
+    for step, st in enumerate(states):
+        s.commit(step, st)
+    assert {c for _, _, c in _deltas(store_path)} == {1, 2, 3}
+    res = s.diff("r@0", "r@3")  # the whole chunk of step 0 against the end of its chain
+    w0, w3 = states[0][0]["model"]["w"], states[3][0]["model"]["w"]
+    (w,) = [t for t in res.changed if t.key == "model/w"]
+    assert w.stats is not None and w.stats.max_abs_diff == pytest.approx((w3 - w0).abs().max().item(), rel=1e-12)
+    out = tmp_path / "step3.safetensors"
+    export_checkpoint(s, 3, str(out), fmt="safetensors", sub_key="model")
+    got = load_file(str(out))
+    assert torch.equal(got["w"], w3) and torch.equal(got["bias"], states[3][0]["model"]["bias"])
