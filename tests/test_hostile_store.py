@@ -246,10 +246,12 @@ def test_record_lies_are_refused(hs: tuple[ckstore.Store, Hostile], tmp_path: Pa
         (b"not zstd at all", "does not decompress"),
         (zstd_frame(1 << 40, 2), "declares"),
         (zstd_frame(None, 8192), "more than"),  # a real 1 GiB of zeros, no declared size
+        (zstd_frame(1000, 2), "does not decompress"),  # declares less than it holds
+        (zstd_frame(None, 2, byte=ord(" ")) + b"\x00" * 3, "does not decompress"),  # no size, then garbage
         (__import__("zstandard").compress(b"[" * 200_000), "not valid JSON"),
         (__import__("zstandard").compress(b"[1, 2]"), "not a JSON object"),
     ],
-    ids=["garbage", "declares-1TiB", "bomb-1GiB", "nested-json", "not-object"],
+    ids=["garbage", "declares-1TiB", "bomb-1GiB", "declares-less", "unsized-then-garbage", "nested-json", "not-object"],
 )
 def test_unreadable_manifests_are_refused(
     hs: tuple[ckstore.Store, Hostile], tmp_path: Path, data: bytes, needle: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,10 +134,15 @@ _ENTRIES = (
     .where(ENTRIES.c.checkpoint_id == bindparam("ckpt"))
     .order_by(ENTRIES.c.rank, ENTRIES.c.id)
 )
+_ENTRIES_WITH_ID = _ENTRIES.add_columns(ENTRIES.c.id)
 
 
-def load_records(conn: Connection, ids: Sequence[int]) -> Loaded:
-    """The :class:`Checkpoint` records of checkpoint rows ``ids`` (missing ones left out)."""
+def load_records(
+    conn: Connection, ids: Sequence[int], layouts: Mapping[int, tuple[set[int], list[str]]] | None = None
+) -> Loaded:
+    """The :class:`Checkpoint` records of checkpoint rows ``ids`` (missing ones left out);
+    ``layouts``: their ranks and sub-checkpoint keys (in the order of their entries' ids), when
+    the caller read them already."""
     out = Loaded()
     for batch in batches(list(ids)):
         params = {"ids": list(batch)}
@@ -155,11 +160,14 @@ def load_records(conn: Connection, ids: Sequence[int]) -> Loaded:
         for t in sorted(execute(conn, _TAGS, params), key=lambda t: t.name):
             tags.setdefault(t.checkpoint_id, []).append(t.name)
         layout: dict[int, tuple[set[int], list[str]]] = {}
-        for e in execute(conn, _LAYOUT, params):
-            ranks, keys = layout.setdefault(e.checkpoint_id, (set(), []))
-            ranks.add(e.rank)
-            if e.sub_key not in keys:
-                keys.append(e.sub_key)
+        if layouts is not None:
+            layout = {i: layouts[i] for i in batch if i in layouts}
+        else:
+            for e in execute(conn, _LAYOUT, params):
+                ranks, keys = layout.setdefault(e.checkpoint_id, (set(), []))
+                ranks.add(e.rank)
+                if e.sub_key not in keys:
+                    keys.append(e.sub_key)
         for r in rows:
             ranks, keys = layout.get(r.id, (set(), []))
             _build(out, r, problems.get(r.id), metrics.get(r.id, {}), tags.get(r.id, ()), ranks, keys)
@@ -322,15 +330,24 @@ class QueriesMixin(CatalogBase):
         closing them."""
         run = ref.run or default_run
         with self._read() as conn:
-            if run is not None:
-                run_id(conn, run)
-            found = resolve_ref(conn, ref, run)
-            ckpt = load_records(conn, [found]).one(found)
-            ranks, sub_keys = scope(ckpt)
-            entries = _entries(conn, found, ranks, sub_keys)
+            try:
+                found = resolve_ref(conn, ref, run)
+            except CheckpointNotFoundError:
+                if run is not None:
+                    run_id(conn, run)  # a run that does not exist is named as such
+                raise
             where = None
-            if locations:
+            if locations:  # every entry: read once, for the record's layout too
+                rows = execute(conn, _ENTRIES_WITH_ID, {"ckpt": found}).all()
+                keys = list(dict.fromkeys(r.sub_key for r in sorted(rows, key=lambda r: r.id)))
+                ckpt = load_records(conn, [found], {found: ({int(r.rank) for r in rows}, keys)}).one(found)
+                scope(ckpt)
+                entries = [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in rows]
                 where = {bytes(r.digest): _location(r) for r in execute(conn, _LOCATIONS_OF, {"ckpt": found}).all()}
+            else:
+                ckpt = load_records(conn, [found]).one(found)
+                ranks, sub_keys = scope(ckpt)
+                entries = _entries(conn, found, ranks, sub_keys)
         return CheckoutRows(ckpt, entries, where)
 
     def entries(
