@@ -298,11 +298,9 @@ class CommitMixin(RunsMixin):
             if rows:
                 self._reference(conn, ckpt_id, [r.id for r in rows])
                 found.update(bytes(r.digest) for r in rows)
-                for r in rows:
-                    if r.chain is not None:
-                        deltas = True
-                    if chains is not None:
-                        chains[bytes(r.digest)] = int(r.chain or 0)
+                if chains is not None:
+                    chains.update((bytes(r.digest), int(r.chain or 0)) for r in rows)
+                deltas = deltas or any(r.chain is not None for r in rows)
         if deltas:  # a delta decodes against its bases: they are needed as much as it is
             reference_bases(conn, ckpt_id)
         return set(wanted) - found
