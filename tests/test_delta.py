@@ -104,30 +104,26 @@ def test_deltas_store_fewer_bytes_and_every_step_checks_out(tmp_path: Path) -> N
     assert_clean(delta)
 
 
-def test_each_checkpoint_references_the_bases_of_its_deltas_and_no_other_candidate(store_path: Path) -> None:
+def test_each_checkpoint_references_its_own_chunks_only(store_path: Path) -> None:
+    """The bases of its deltas are gc's to keep: a checkpoint's references are the chunks its
+    manifests name, and the candidate bases its claim referenced are let go once it commits."""
     s = ckstore.open(store_path, run="r", delta_chain=4, **SETTINGS)
     for step, st in enumerate(_states(4)):
         s.commit(step, st)
     g = torch.Generator().manual_seed(7)  # step 4: all new bytes, no delta pays
     fresh = {0: {"model": {"w": torch.randn(40_000, generator=g), "bias": torch.zeros(8)},
                  "optim": {"m": torch.randn(20_000, generator=g)}}}  # fmt: skip
-    last = s.commit(4, fresh)
-    refs = _rows(
-        store_path,
-        "SELECT c.id, c.digest, c.base FROM chunk_refs r JOIN chunks c ON c.id = r.chunk_id "
-        f"WHERE r.checkpoint_id = {last.id}",
-    )
-    assert all(b is None for _, _, b in refs)  # whole chunks, and no base pinned for nothing
-    held = {bytes(d) for _, d, _ in refs}
-    assert held == {d for _, _, m in s.catalog.entries(last.id) for d in Manifest.from_bytes(m).digests()}
-    for ck in s.checkpoints(run="r")[:-1]:  # every earlier checkpoint holds its whole chains
-        rows = _rows(
+    s.commit(4, fresh)
+    assert _deltas(store_path)
+    for ck in s.checkpoints(run="r"):
+        refs = _rows(
             store_path,
-            "SELECT c.digest, c.base FROM chunk_refs r JOIN chunks c ON c.id = r.chunk_id "
-            f"WHERE r.checkpoint_id = {ck.id}",
+            f"SELECT c.digest FROM chunk_refs r JOIN chunks c ON c.id = r.chunk_id WHERE r.checkpoint_id = {ck.id}",
         )
-        digests = {bytes(d) for d, _ in rows}
-        assert all(b is None or bytes(b) in digests for _, b in rows)
+        own = {d for _, _, m in s.catalog.entries(ck.id) for d in Manifest.from_bytes(m).digests()}
+        assert {bytes(d) for d, in refs} == own, ck.step
+    with s.catalog.snapshot() as survey:  # every row is some checkpoint's, or a base of one
+        assert survey.unreferenced_chunks() == (0, 0)
 
 
 def test_gc_keeps_the_bases_of_what_it_keeps(store_path: Path) -> None:
@@ -301,25 +297,17 @@ def test_fsck_follows_the_chains_of_deltas(store_path: Path) -> None:
         s.commit(step, st)
     assert s.fsck(grace=0).ok
     digest, base, _ = _deltas(store_path)[0]
-    ck = s.resolve(1)
-    with sqlite3.connect(store_path / "catalog.db") as conn:  # damage: step 1 loses its base's reference
-        conn.execute(
-            "DELETE FROM chunk_refs WHERE checkpoint_id = ? AND chunk_id = (SELECT id FROM chunks WHERE digest = ?)",
-            (ck.id, base),
-        )
-    report = s.fsck(grace=0)
-    assert [(d.step, d.chunk) for d in report.damage] == [(1, digest.hex())]
-    assert f"delta base chunk {base.hex()} has no reference" in report.damage[0].problem
-    with sqlite3.connect(store_path / "catalog.db") as conn:
-        conn.execute(
-            "INSERT INTO chunk_refs (checkpoint_id, chunk_id) SELECT ?, id FROM chunks WHERE digest = ?", (ck.id, base)
-        )
-    assert s.fsck(grace=0).ok
     (key,) = _rows(store_path, f"SELECT p.key FROM chunks c JOIN packs p ON p.id = c.pack_id WHERE c.digest = x'{base.hex()}'")[0]
     (store_path / key).unlink()  # damage: the base's pack is gone; a shallow check names the delta too
     report = s.fsck(grace=0)
     damaged = {(d.step, d.chunk) for d in report.damage}
     assert (0, base.hex()) in damaged and (1, digest.hex()) in damaged, [d.describe() for d in report.damage]
+    with sqlite3.connect(store_path / "catalog.db") as conn:  # damage: the base's row is gone too
+        conn.execute("DELETE FROM chunk_refs WHERE chunk_id = (SELECT id FROM chunks WHERE digest = ?)", (base,))
+        conn.execute("DELETE FROM chunks WHERE digest = ?", (base,))
+    report = s.fsck(grace=0)
+    (delta,) = [d for d in report.damage if d.chunk == digest.hex()]
+    assert delta.step == 1 and f"delta base chunk {base.hex()} is not in the catalog" in delta.problem
 
 
 _CHILD = """

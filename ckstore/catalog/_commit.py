@@ -16,7 +16,6 @@ from sqlalchemy import BindParameter, Connection, Integer, bindparam, delete, ex
 from sqlalchemy import exc as sa_exc
 
 from .._crash import crash_point
-from ..config import MAX_DELTA_CHAIN
 from ..errors import AlreadyExistsError, CatalogError, CommitAbandonedError, CommitInProgressError
 from ..layout import WorldLayout
 from ..records import Checkpoint
@@ -36,7 +35,6 @@ from ._rows import (
     ChunkRow,
     aware,
     batches,
-    reference_bases,
     utcnow,
 )
 from ._runs import RunsMixin
@@ -57,15 +55,13 @@ _HEARTBEAT = (
     .where(CHECKPOINTS.c.id == _ID, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == bindparam("who"))
     .values(heartbeat_at=bindparam("now"))
 )
-_FOUND = select(CHUNKS.c.id, CHUNKS.c.digest, CHUNKS.c.chain).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
+_FOUND = select(CHUNKS.c.id, CHUNKS.c.digest).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
 _ADDED = select(CHUNKS.c.pack_id, CHUNKS.c.length).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
 _DROP_REFS = delete(CHUNK_REFS).where(
     CHUNK_REFS.c.checkpoint_id == _ID,
     CHUNK_REFS.c.chunk_id.in_(select(CHUNKS.c.id).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))),
 )
-_BASES_OF = select(CHUNKS.c.base).where(
-    CHUNKS.c.digest.in_(bindparam("digests", expanding=True)), CHUNKS.c.base.is_not(None)
-)
+_CHAINS = select(CHUNKS.c.digest, CHUNKS.c.chain).where(CHUNKS.c.digest.in_(bindparam("digests", expanding=True)))
 _PACK_SIZE = update(PACKS).where(PACKS.c.id == bindparam("pack")).values(size=bindparam("new_size"))
 _COMMITTED_AT_STEP = select(CHECKPOINTS.c.id).where(
     CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.step == bindparam("step"), CHECKPOINTS.c.status == COMMITTED
@@ -264,9 +260,10 @@ class CommitMixin(RunsMixin):
     def claim_chunks(
         self, ckpt_id: int, owner: Owner, digests: Iterable[bytes], chains: dict[bytes, int] | None = None
     ) -> set[bytes]:
-        """Reference every chunk the catalog already has (and, for a delta, its bases); return
-        the digests it does not have. ``chains``, when given, gets the delta depth of every chunk
-        found (0: no delta): a commit decides from it which chunks it may write deltas against."""
+        """Reference every chunk the catalog already has; return the digests it does not have.
+        ``chains`` (given by a commit that writes deltas: its candidate bases as keys): left
+        holding those the catalog has, each with its delta depth (0: no delta), so the commit
+        knows which it may write deltas against."""
         with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
             return self._claim(conn, ckpt_id, digests, chains)
@@ -292,18 +289,27 @@ class CommitMixin(RunsMixin):
     ) -> set[bytes]:
         wanted = list(dict.fromkeys(digests))
         found: set[bytes] = set()
-        deltas = False
+        if chains:  # the candidate bases of a commit's deltas: those the catalog has, by depth
+            depths = self._depths(conn, list(chains))
+            chains.clear()
+            chains.update(depths)
         for batch in batches(wanted):
             rows = execute(conn, _FOUND, {"digests": batch}).all()
             if rows:
                 self._reference(conn, ckpt_id, [r.id for r in rows])
                 found.update(bytes(r.digest) for r in rows)
-                if chains is not None:
-                    chains.update((bytes(r.digest), int(r.chain or 0)) for r in rows)
-                deltas = deltas or any(r.chain is not None for r in rows)
-        if deltas:  # a delta decodes against its bases: they are needed as much as it is
-            reference_bases(conn, ckpt_id)
         return set(wanted) - found
+
+    def chain_depths(self, digests: Iterable[bytes]) -> dict[bytes, int]:
+        """How many deltas deep each chunk of ``digests`` the catalog has is (0: no delta)."""
+        with self._read() as conn:
+            return self._depths(conn, list(digests))
+
+    def _depths(self, conn: Connection, digests: list[bytes]) -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        for batch in batches(digests):
+            out.update((bytes(r.digest), int(r.chain or 0)) for r in execute(conn, _CHAINS, {"digests": batch}))
+        return out
 
     def _reference(self, conn: Connection, ckpt_id: int, chunk_ids: Sequence[int]) -> None:
         """Reference chunks from a checkpoint (a reference already there is kept)."""
@@ -345,7 +351,6 @@ class CommitMixin(RunsMixin):
         unused: Sequence[int],
     ) -> int:
         added = 0
-        deltas = False  # whether a chunk referenced here may be a delta whose chain is not referenced yet
         # digest order across every pack: two commits inserting overlapping chunks lock them in
         # the same order, so on PostgreSQL one waits for the other instead of deadlocking
         ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
@@ -369,7 +374,6 @@ class CommitMixin(RunsMixin):
             # wherever they were recorded, and ask which rows are ours (by digest only: a
             # condition on pack_id leads SQLite's planner to scan the pack's earlier rows)
             digests = [c.digest for _, c in batch]
-            deltas = True  # the rows recorded first may be deltas of other bases
             execute(conn, st.refs_by_digest, {"digests": digests, "ckpt": ckpt_id})
             rows = execute(conn, _ADDED, {"digests": digests})
             added += sum(int(r.length) for r in rows if r.pack_id in ours)
@@ -378,10 +382,6 @@ class CommitMixin(RunsMixin):
         for pack_id, _, chunks in packs:
             if chunks:
                 execute(conn, st.refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
-        # a delta of this commit decodes against a base its claim referenced, with the whole
-        # chain below it; a row another commit recorded first may be a delta of another base
-        if deltas:
-            reference_bases(conn, ckpt_id)
         return added
 
     def finish_checkpoint(
@@ -419,19 +419,17 @@ class CommitMixin(RunsMixin):
         have committed it. Retrying the commit tells which: a step that did get through is
         refused as existing already (:class:`AlreadyExistsError`).
 
-        ``unneeded``: chunks the claim referenced as possible bases of deltas that the commit
-        did not write deltas against; their references go (those the checkpoint needs otherwise,
-        as chunks of its own or bases of them, stay or come back)."""
+        ``unneeded``: chunks the claim referenced as candidate bases of deltas, none of them a
+        chunk of the checkpoint: their references go, once the chunk rows of the deltas written
+        against them are in (gc keeps a base while a delta of it is referenced)."""
         done: Checkpoint | None = None  # the checkpoint, once only the COMMIT is left
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
-                if unneeded:
-                    self._drop_bases(conn, ckpt_id, unneeded)
                 if packs or unused:
                     stored_bytes_added += self._add_packs(conn, ckpt_id, packs, unused)
-                if unneeded:  # a base of a chunk the checkpoint holds may have been among them
-                    reference_bases(conn, ckpt_id)
+                for dropped in batches(list(unneeded)):
+                    execute(conn, _DROP_REFS, {"ckpt": ckpt_id, "digests": dropped})
                 crash_point("pack.chunks_recorded")
                 written = record(stored_bytes_added, read_facts(conn, ckpt_id)) if record is not None else None
                 old = execute(conn, _COMMITTED_AT_STEP, {"run": row.run_id, "step": row.step}).scalar()
@@ -479,21 +477,6 @@ class CommitMixin(RunsMixin):
             raise self._lost_at_commit(e, f"step {done.step} of run {done.run!r}") from e
         finally:
             mark_live(owner.nonce, False)
-
-    def _drop_bases(self, conn: Connection, ckpt_id: int, digests: Sequence[bytes]) -> None:
-        """Drop the checkpoint's references to these chunks and to their bases, down their
-        chains; the caller references again what the checkpoint's own chunks need."""
-        dropped, level = set(digests), list(digests)
-        for _ in range(MAX_DELTA_CHAIN):
-            below: set[bytes] = set()
-            for batch in batches(level):
-                below.update(bytes(b) for b in execute(conn, _BASES_OF, {"digests": batch}).scalars())
-            level = list(below - dropped)
-            if not level:
-                break
-            dropped.update(level)
-        for batch in batches(list(dropped)):
-            execute(conn, _DROP_REFS, {"ckpt": ckpt_id, "digests": batch})
 
     def abort_checkpoint(self, ckpt_id: int, owner: Owner) -> None:
         """Drop a pending checkpoint of ours; what it wrote becomes garbage for gc."""

@@ -29,7 +29,6 @@ from ._rows import (
     TAGS,
     aware,
     batches,
-    reference_bases,
     utcnow,
 )
 from ._schema import COMMITTED
@@ -229,7 +228,6 @@ class RecordsMixin(QueriesMixin):
                 ids = conn.execute(select(CHUNKS.c.id).where(CHUNKS.c.digest.in_(dbatch))).scalars().all()
                 if ids:
                     conn.execute(CHUNK_REFS.insert(), [{"checkpoint_id": ckpt_id, "chunk_id": i} for i in ids])
-            reference_bases(conn, ckpt_id)
             return True
 
     def restore_tag(self, run: str, name: str, target: Ident | None) -> bool:

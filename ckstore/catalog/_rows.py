@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
-from sqlalchemy import ColumnElement, Connection, Integer, bindparam, exists, select
+from sqlalchemy import ColumnElement, Connection, and_, bindparam, exists, select
 
-from ..config import MAX_DELTA_CHAIN
 from ..errors import NotFoundError
 from ._access import execute
 from ._schema import (
@@ -30,7 +29,7 @@ __all__ = [
     "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH", "RUN_ID",
     "RUN_ORIGIN",
     "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
-    "reference_bases",
+    "needed_bases",
     "ChunkRow", "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
 
@@ -77,39 +76,26 @@ def run_id(conn: Connection, name: str) -> int:
 
 
 def unreferenced_chunk() -> ColumnElement[bool]:
-    """A chunk row no checkpoint (committed or pending) references: garbage for the next gc."""
-    return ~exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id)
+    """A chunk row no checkpoint (committed or pending) references and that no chunk needs as
+    the base of a delta (see :func:`needed_bases`): garbage for the next gc."""
+    return and_(~exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id), CHUNKS.c.digest.not_in(needed_bases()))
 
 
-_BASE = CHUNKS.alias("base_chunk")
-_HELD = CHUNK_REFS.alias("held")
-#: references from a checkpoint to the bases of the delta chunks it references, where missing
-_REF_BASES = CHUNK_REFS.insert().from_select(
-    ["checkpoint_id", "chunk_id"],
-    select(bindparam("ckpt", type_=Integer), _BASE.c.id)
-    .distinct()
-    .select_from(
-        CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(_BASE, _BASE.c.digest == CHUNKS.c.base)
+def needed_bases() -> Any:
+    """The digests of every base that a referenced delta chunk decodes through, down its chain
+    (a recursive CTE; ``UNION`` ends a cycle a damaged catalog might hold).
+
+    A checkpoint references only its own chunks; the bases of its deltas are kept alive by gc
+    through this, wherever they came from. The partial index on ``chunks.base`` keeps it to
+    the rows that are deltas."""
+    below = CHUNKS.alias("below")
+    first = (
+        select(CHUNKS.c.base.label("digest"))
+        .where(CHUNKS.c.base.is_not(None), exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id))
+        .cte("needed_bases", recursive=True)
     )
-    .where(
-        CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"),
-        CHUNKS.c.base.is_not(None),
-        ~exists().where(_HELD.c.checkpoint_id == bindparam("ckpt"), _HELD.c.chunk_id == _BASE.c.id),
-    ),
-)
-
-
-def reference_bases(conn: Connection, ckpt_id: int) -> None:
-    """Reference from checkpoint ``ckpt_id`` the base of every delta chunk it references, and
-    theirs in turn, down to chunks that are no deltas.
-
-    This keeps the invariant that garbage collection relies on: a checkpoint references every
-    chunk it needs to decode its own, so a base is unreferenced only when no delta of it is
-    referenced either (and gc's sweep removes both at once). One statement per level of the
-    deepest chain (a reader refuses chains over :data:`~ckstore.config.MAX_DELTA_CHAIN`)."""
-    for _ in range(MAX_DELTA_CHAIN + 1):
-        if not conn.execute(_REF_BASES, {"ckpt": ckpt_id}).rowcount:
-            return
+    deeper = select(below.c.base).join(first, below.c.digest == first.c.digest).where(below.c.base.is_not(None))
+    return first.union(deeper).select()
 
 
 def owned_by_live_commit() -> ColumnElement[bool]:

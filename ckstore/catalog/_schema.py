@@ -20,6 +20,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 
 __all__ = [
@@ -121,6 +122,8 @@ CHUNKS = Table(
     # it is (its base's depth plus one; a chunk that is no delta has neither)
     Column("base", LargeBinary(16), nullable=True),
     Column("chain", Integer, nullable=True),
+    # the deltas alone, for gc's walk down their chains (most rows are no deltas)
+    Index("ix_chunks_base", "base", sqlite_where=text("base IS NOT NULL"), postgresql_where=text("base IS NOT NULL")),
 )
 
 CHUNK_REFS = Table(

@@ -109,6 +109,14 @@ class Survey:
         )
         return {bytes(d): int(raw) for (d, raw) in rows}
 
+    def chunk_bases(self, digests: Iterable[bytes]) -> dict[bytes, bytes | None]:
+        """Digest -> base digest (None: no delta) of the chunks of ``digests`` the catalog has."""
+        out: dict[bytes, bytes | None] = {}
+        for batch in batches(list(digests)):
+            rows = self._conn.execute(select(CHUNKS.c.digest, CHUNKS.c.base).where(CHUNKS.c.digest.in_(batch)))
+            out.update((bytes(d), None if b is None else bytes(b)) for d, b in rows)
+        return out
+
     def delta_bases(self, ckpt_id: int) -> dict[bytes, bytes]:
         """Digest -> base digest of the delta chunks a checkpoint references."""
         rows = self._conn.execute(

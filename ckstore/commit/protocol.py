@@ -365,7 +365,10 @@ class StagedCommit:
             # the chunks held, then the candidate bases of deltas: a base found is referenced
             # by the claim (gc keeps it) and comes back with its chain depth
             wanted = list(dict.fromkeys([d for items in holdings for d, _ in items] + [b for bs in self.rank_bases for b in bs]))
-            chains: dict[bytes, int] | None = {} if self.ctx.delta is not None else None
+            # with deltas: the candidate bases, left holding those the catalog has, by depth
+            chains: dict[bytes, int] | None = None
+            if self.ctx.delta is not None:
+                chains = dict.fromkeys((b for bs in self.rank_bases for b in bs), 0)
             sizes = {d: n for items in holdings for d, n in items}
             plan: list[list[bytes]] = []
             needed: list[int] = []
@@ -400,7 +403,7 @@ class StagedCommit:
             if self.ctx.delta is not None and chains:
                 longest = self.ctx.delta.chain
                 usable = [{b: chains[b] for b in bs if chains.get(b, longest) < longest} for bs in self.rank_bases]
-                self.claimed_bases = {b for bs in self.rank_bases for b in bs if b in chains}
+                self.claimed_bases = set(chains)
             return [(_join(p), [next(ids) for _ in range(n)], u) for p, n, u in zip(plan, needed, usable)]
 
         outcome = g.attempt(local) if g.rank == 0 else (None, None)
@@ -466,12 +469,12 @@ class StagedCommit:
             written = {pack_id for pack_id, _, _ in packs}
             unused = [pack_id for pack_id in self.registered if pack_id not in written]
             manifests = [m for _, ms in self.results for m in ms]
-            # candidate bases no delta was written against: their claim's references go
+            # the candidate bases the claim referenced: a checkpoint references only its own
+            # chunks (gc keeps the bases of referenced deltas)
             unneeded: list[bytes] = []
             if self.claimed_bases:
-                used = {c.base for _, _, chunks in packs for c in chunks if c.base is not None}
                 held = {d for items in self.holdings or () for d, _ in items}
-                unneeded = [b for b in self.claimed_bases if b not in used and b not in held]
+                unneeded = [b for b in self.claimed_bases if b not in held]
             when, pool, args, ckpt_id = utcnow(), self.pool, self.args, self.ckpt_id
             assert pool is not None
 

@@ -214,24 +214,36 @@ def _shallow(
     return bad
 
 
+def _chains(survey: Survey, ckpt_id: int) -> dict[bytes, bytes | None]:
+    """Digest -> base (None: no delta) of every delta chunk a checkpoint references and of every
+    chunk row down their chains; a base the catalog has no row for is left out."""
+    rows: dict[bytes, bytes | None] = dict(survey.delta_bases(ckpt_id))
+    level = {b for b in rows.values() if b is not None}
+    for _ in range(MAX_DELTA_CHAIN):
+        todo = [b for b in level if b not in rows]
+        if not todo:
+            break
+        found = survey.chunk_bases(todo)
+        rows.update(found)
+        level = {b for b in found.values() if b is not None}
+    return rows
+
+
 def _chain_problem(
-    d: bytes, refs: Mapping[bytes, int], bases: Mapping[bytes, bytes], bad: Mapping[bytes, tuple[str, str]]
+    d: bytes, rows: Mapping[bytes, bytes | None], bad: Mapping[bytes, tuple[str, str]]
 ) -> tuple[str, str, bytes] | None:
     """What keeps delta ``d`` of a checkpoint from decoding, down its chain of bases: ``(pack key,
-    problem, base)``, or None when every base is referenced by the checkpoint and undamaged."""
+    problem, base)``, or None when every base has a chunk row and is undamaged."""
     at = d
     for _ in range(MAX_DELTA_CHAIN):
-        b = bases.get(at)
+        b = rows.get(at)
         if b is None:
             return None
         if b in bad:
             key, why = bad[b]
             return key, f"its delta base chunk {b.hex()} is damaged: {why}", b
-        if b not in refs:
-            return "", (
-                f"its delta base chunk {b.hex()} has no reference from this checkpoint (or no row), so nothing "
-                "protects it from gc (and it may already be gone)"
-            ), b
+        if b not in rows:
+            return "", f"its delta base chunk {b.hex()} is not in the catalog (gc took it, or the catalog is damaged)", b
         at = b
     return "", f"its chain of delta bases is longer than {MAX_DELTA_CHAIN}", at
 
@@ -244,7 +256,7 @@ def _walk_manifests(
     used_bad: set[bytes] = set()
     for ck in ckpts:
         refs = survey.referenced_chunks(ck.id)
-        bases = survey.delta_bases(ck.id)
+        chains = _chains(survey, ck.id)
         pieces: dict[tuple[str, str], tuple[int, list[TensorRecord]]] = {}
         for rank, sub_key, raw in survey.entries(ck.id):
             try:
@@ -279,7 +291,7 @@ def _walk_manifests(
                                 "protects it from gc (and it may already be gone)",
                             )
                         )  # fmt: skip
-                    elif d in bases and (chain := _chain_problem(d, refs, bases, bad)) is not None:
+                    elif chains.get(d) is not None and (chain := _chain_problem(d, chains, bad)) is not None:
                         key, why, base = chain
                         if base in bad:
                             used_bad.add(base)

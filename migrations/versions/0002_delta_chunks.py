@@ -21,9 +21,14 @@ def upgrade() -> None:
     with op.batch_alter_table('chunks', schema=None) as batch_op:
         batch_op.add_column(sa.Column('base', sa.LargeBinary(length=16), nullable=True))
         batch_op.add_column(sa.Column('chain', sa.Integer(), nullable=True))
+        batch_op.create_index(
+            'ix_chunks_base', ['base'], unique=False,
+            sqlite_where=sa.text('base IS NOT NULL'), postgresql_where=sa.text('base IS NOT NULL'),
+        )
 
 
 def downgrade() -> None:
     with op.batch_alter_table('chunks', schema=None) as batch_op:
+        batch_op.drop_index('ix_chunks_base')
         batch_op.drop_column('chain')
         batch_op.drop_column('base')
