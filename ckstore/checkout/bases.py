@@ -40,13 +40,14 @@ class Bases:
     def __init__(self, blobs: BlobStore, locate: Locate, known: Mapping[bytes, ChunkLocation] | None = None) -> None:
         self.blobs = blobs
         self.locate = locate
-        self.known: dict[bytes, ChunkLocation] = dict(known or {})
+        self.given: Mapping[bytes, ChunkLocation] = known or {}  # (not copied: a checkout's may be large)
+        self.known: dict[bytes, ChunkLocation] = {}  # bases looked up since
 
     def prefetch(self, locs: Mapping[bytes, ChunkLocation]) -> None:
         """Look up, level by level, the bases of the deltas among ``locs`` that are not known yet."""
         wanted = {loc.base for loc in locs.values() if loc.base is not None}
         for _ in range(MAX_DELTA_CHAIN):
-            todo = [d for d in wanted if d not in self.known and d not in locs]
+            todo = [d for d in wanted if d not in self.known and d not in self.given and d not in locs]
             if not todo:
                 return
             found = self.locate(todo)
@@ -96,7 +97,7 @@ class Bases:
         """The stored frame of base chunk ``digest``, which must decode to ``size`` bytes; its
         catalog row checked against the frame and the pack's bounds before anything is read."""
         what = f"base chunk {digest.hex()}"
-        loc = self.known.get(digest)
+        loc = self.given.get(digest) or self.known.get(digest)
         if loc is None:
             loc = self.locate([digest]).get(digest)
             if loc is None:

@@ -97,7 +97,7 @@ def execute_plan(
     for c in plan.copies:
         _check_location(c, locs.get(c.digest), where)
     bases = Bases(blobs, locate, locs)
-    if any(loc.base is not None for loc in locs.values()):
+    if any(locs[c.digest].base is not None for c in plan.copies):
         bases.prefetch(locs)  # the bases of deltas, read and decoded as their deltas need them
     tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
     for i, buf in enumerate(plan.buffers):
@@ -210,7 +210,10 @@ def _deliver(
     else:
         decoded = np.empty(raw_size, dtype=np.uint8)
     try:
-        bases.decode(frame, loc, decoded.data)
+        if loc.base is None:  # (a delta's frame refuses to decode without its base)
+            codec.decode_into(frame, decoded.data)
+        else:
+            bases.decode(frame, loc, decoded.data)
     except IntegrityError as e:
         raise IntegrityError(f"{where}, {copies[0].source}: chunk {digest.hex()} is corrupt: {e}") from e
     except ChunkNotFoundError as e:
