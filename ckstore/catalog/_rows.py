@@ -78,7 +78,8 @@ def run_id(conn: Connection, name: str) -> int:
 def unreferenced_chunk() -> ColumnElement[bool]:
     """A chunk row no checkpoint (committed or pending) references and that no chunk needs as
     the base of a delta (see :func:`needed_bases`): garbage for the next gc."""
-    return and_(~exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id), CHUNKS.c.digest.not_in(needed_bases()))
+    needed = needed_bases()
+    return and_(~exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id), ~exists().where(needed.c.digest == CHUNKS.c.digest))
 
 
 def needed_bases() -> Any:
@@ -95,7 +96,7 @@ def needed_bases() -> Any:
         .cte("needed_bases", recursive=True)
     )
     deeper = select(below.c.base).join(first, below.c.digest == first.c.digest).where(below.c.base.is_not(None))
-    return first.union(deeper).select()
+    return first.union(deeper)
 
 
 def owned_by_live_commit() -> ColumnElement[bool]:
