@@ -394,3 +394,23 @@ def test_diff_and_export_read_deltas(store_path: Path, tmp_path: Path) -> None:
     export_checkpoint(s, 3, str(out), fmt="safetensors", sub_key="model")
     got = load_file(str(out))
     assert torch.equal(got["w"], w3) and torch.equal(got["bias"], states[3][0]["model"]["bias"])
+
+
+def test_dcp_saves_through_a_delta_store(store_path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckstore.integrations import dcp as ckdcp
+
+    states = [st[0] for st in _states(3)]
+    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, st in enumerate(states):
+            dcp.save(st, storage_writer=ckdcp.Writer(s, step=step))
+        assert _deltas(store_path)  # DCP's save path writes deltas too
+        target = {"model": {"w": torch.zeros(40_000), "bias": torch.zeros(8)}, "optim": {"m": torch.zeros(20_000)}}
+        dcp.load(target, storage_reader=ckdcp.Reader(s, 2))
+    assert_same(target, states[2])
+    assert_clean(s)

@@ -97,7 +97,7 @@ class DeltaCache:
     def remember(
         self, chunks: Sequence[tuple[Place, bytes, memoryview]], depths: Mapping[bytes, int], wholes: Mapping[bytes, int]
     ) -> None:
-        """After a commit: keep a copy of each chunk ``(place, digest, raw bytes)`` of it, in place
+        """Once a commit wrote its chunks: keep a copy of each chunk ``(place, digest, raw bytes)`` of it, in place
         of the previous commit's, as far as the memory budget goes; an unchanged chunk is not
         copied again. Never written into in place: a commit in flight may be XORing against a
         buffer this replaces. ``depths``: the chain depth of the chunks the commit wrote itself;

@@ -450,6 +450,7 @@ class StagedCommit:
                 level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick, threads=self.ctx.workers,
                 delta=delta,
             )  # fmt: skip
+            self._remember()
             return packs, _stage.build_manifests(self.entries, self.staged, cfg.chunk_size)
 
         written = g.attempt(local)
@@ -518,14 +519,21 @@ class StagedCommit:
             self.abort()
             raise
         self.stack.close()
-        if self.ctx.delta is not None and ckpt is not None:  # committed: the next commit's bases
-            cs = self.cfg.chunk_size
-            self.ctx.delta.remember(
-                [(place, d, st.chunk(place[3], cs)) for st, (place, d, _) in zip(self._staged_chunks(), self._places())],
-                self.depths,
-                self.delta_plan.wholes if self.delta_plan is not None else {},
-            )
         return ckpt
+
+    def _remember(self) -> None:
+        """Keep this rank's chunks as the next commit's candidate bases (with deltas on), once
+        they are written: on every rank, whether or not it learns that the commit went through
+        (DCP's other ranks do not), since the next claim uses only the candidates the catalog
+        has; a failure forgets them (:meth:`abort`)."""
+        if self.ctx.delta is None:
+            return
+        cs = self.cfg.chunk_size
+        self.ctx.delta.remember(
+            [(place, d, st.chunk(place[3], cs)) for st, (place, d, _) in zip(self._staged_chunks(), self._places())],
+            self.depths,
+            self.delta_plan.wholes if self.delta_plan is not None else {},
+        )
 
     def _staged_chunks(self) -> list[_stage.StagedTensor]:
         """The staged tensor of each chunk in :meth:`_places`'s order."""
