@@ -401,8 +401,8 @@ class StagedCommit:
             ids = iter(registered)
             usable: list[dict[bytes, int]] = [{} for _ in plan]
             if self.ctx.delta is not None and chains:
-                longest = self.ctx.delta.chain
-                usable = [{b: chains[b] for b in bs if chains.get(b, longest) < longest} for bs in self.rank_bases]
+                longest = self.ctx.delta.chain  # (a depth outside 0..longest-1 in a damaged row: unusable)
+                usable = [{b: chains[b] for b in bs if 0 <= chains.get(b, longest) < longest} for bs in self.rank_bases]
                 self.claimed_bases = set(chains)
             return [(_join(p), [next(ids) for _ in range(n)], u) for p, n, u in zip(plan, needed, usable)]
 
