@@ -5,6 +5,7 @@ repack and recovery keep the bases a delta needs."""
 from __future__ import annotations
 
 import sqlite3
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_clean, assert_same
+from services import S3Server
 from sqlalchemy import text
 
 import ckstore
@@ -260,9 +262,12 @@ def test_the_memory_budget_bounds_what_is_kept(tmp_path: Path) -> None:
     assert_clean(bounded)
 
 
-def test_deltas_on_a_postgresql_catalog(store_path: Path, pg_catalog_url: str) -> None:
+def test_deltas_on_s3_with_a_postgresql_catalog(s3_server: S3Server, s3_bucket: str, pg_catalog_url: str) -> None:
     states = _states(6)
-    s = ckstore.open(store_path, run="r", catalog=pg_catalog_url, delta_chain=3, **SETTINGS)
+    loc = f"s3://{s3_bucket}/{uuid.uuid4().hex[:8]}"
+    s = ckstore.open(
+        loc, run="r", catalog=pg_catalog_url, storage_options=s3_server.storage_options(), delta_chain=3, **SETTINGS
+    )
     for step, st in enumerate(states[:5]):
         s.commit(step, st)
     with s.catalog.engine.connect() as conn:
