@@ -46,6 +46,15 @@ def _deltas(path: Path) -> list[tuple[bytes, bytes, int]]:
     return [(bytes(d), bytes(b), c) for d, b, c in _rows(path, "SELECT digest, base, chain FROM chunks WHERE codec = 3")]
 
 
+def _two_steps(path: Path) -> tuple[ckstore.Store, bytes, bytes]:
+    """A store at ``path`` with steps 0 and 1 committed as deltas: it, and a delta of step 1 and its base."""
+    s = ckstore.open(path, run="r", delta_chain=2, **SETTINGS)
+    for step, st in enumerate(_states(2)):
+        s.commit(step, st)
+    digest, base, _ = _deltas(path)[0]
+    return s, digest, base
+
+
 def _stored(path: Path) -> int:
     return int(_rows(path, "SELECT coalesce(sum(length), 0) FROM chunks")[0][0])
 
@@ -148,10 +157,7 @@ def test_gc_keeps_the_bases_of_what_it_keeps(store_path: Path) -> None:
 
 
 def test_a_damaged_base_is_reported_and_never_decoded_into_wrong_bytes(store_path: Path) -> None:
-    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
-    for step, st in enumerate(_states(2)):
-        s.commit(step, st)
-    digest, base, _ = _deltas(store_path)[0]
+    s, digest, base = _two_steps(store_path)
     key, offset, length = _rows(
         store_path, f"SELECT p.key, c.offset, c.length FROM chunks c JOIN packs p ON p.id = c.pack_id WHERE c.digest = x'{base.hex()}'"
     )[0]
@@ -297,11 +303,8 @@ def test_collective_commits_write_deltas_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_fsck_follows_the_chains_of_deltas(store_path: Path) -> None:
-    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
-    for step, st in enumerate(_states(2)):
-        s.commit(step, st)
+    s, digest, base = _two_steps(store_path)
     assert s.fsck(grace=0).ok
-    digest, base, _ = _deltas(store_path)[0]
     (key,) = _rows(store_path, f"SELECT p.key FROM chunks c JOIN packs p ON p.id = c.pack_id WHERE c.digest = x'{base.hex()}'")[0]
     (store_path / key).unlink()  # damage: the base's pack is gone; a shallow check names the delta too
     report = s.fsck(grace=0)
@@ -364,10 +367,7 @@ def test_a_delta_commit_killed_mid_way_damages_nothing(store_path: Path, point: 
 
 
 def test_a_catalog_row_naming_another_base_is_refused(store_path: Path) -> None:
-    s = ckstore.open(store_path, run="r", delta_chain=2, **SETTINGS)
-    for step, st in enumerate(_states(2)):
-        s.commit(step, st)
-    digest, base, _ = _deltas(store_path)[0]
+    s, digest, base = _two_steps(store_path)
     with sqlite3.connect(store_path / "catalog.db") as conn:  # a damaged row: the delta is its own base
         conn.execute("UPDATE chunks SET base = digest WHERE digest = ?", (digest,))
     with pytest.raises(IntegrityError, match=f"its frame names base {base.hex()}, the catalog {digest.hex()}"):
