@@ -11,8 +11,9 @@ commit through it held (up to a memory budget), by place: rank, sub-checkpoint, 
 chunk index. The next commit XORs a changed chunk against the cached bytes of its place, when
 the catalog still has that chunk (the commit's claim references it, so gc keeps it) and its chain
 of deltas is shorter than ``delta_chain``: a checkout decodes at most ``delta_chain`` deltas
-through to a whole chunk. A delta is kept only when it is smaller than the whole chunk encoded
-(tried when the delta saves less than :data:`_CLEARLY_SMALLER`).
+through to a whole chunk. A delta is kept only when it is smaller than the whole chunk: weighed
+against the whole frame that started its chain, or against the whole chunk encoded too when
+that does not settle it (:func:`encode`).
 """
 
 from __future__ import annotations
