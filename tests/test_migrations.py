@@ -10,6 +10,7 @@ import torch
 from alembic import command
 from alembic.config import Config
 from click.testing import CliRunner
+from sqlalchemy import text
 
 import ckstore
 from ckstore.catalog._engine import migrations_dir
@@ -86,3 +87,27 @@ def test_a_catalog_of_revision_0001_with_checkpoints_upgrades_to_delta_chunks(tm
     assert catalog_tools.scalar(db, "SELECT count(*) FROM chunks WHERE codec = 3") > 0
     assert torch.equal(s.checkout(2)[0]["m"]["w"], w2)
     assert s.fsck(deep=True).ok
+
+
+def test_a_postgresql_catalog_of_revision_0001_upgrades_to_delta_chunks(tmp_path: Path, pg_catalog_url: str) -> None:
+    store_path = tmp_path / "s"
+    s = ckstore.open(store_path, run="r", catalog=pg_catalog_url, chunk_size=64 * 1024)
+    w = torch.randn(40_000)
+    s.commit(1, {0: {"m": {"w": w}}})
+    s.close()
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("sqlalchemy.url", pg_catalog_url.replace("%", "%%"))
+    command.downgrade(cfg, "0001")
+    with pytest.raises(ckstore.SchemaVersionError, match="needs 0002"):
+        ckstore.open(store_path)
+    res = CliRunner().invoke(main, ["--store", str(store_path), "db", "upgrade"])
+    assert res.exit_code == 0, res.output
+    s = ckstore.open(store_path, run="r", delta_chain=2)
+    s.commit(1, {0: {"m": {"w": w}}}, replace=True)
+    s.commit(2, {0: {"m": {"w": w + 1e-4}}})
+    with s.catalog.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM chunks WHERE codec = 3")).scalar()
+    assert torch.equal(s.checkout(2)[0]["m"]["w"], w + 1e-4)
+    assert s.fsck(deep=True).ok
+    s.close()
