@@ -15,7 +15,8 @@ random bytes that zstd cannot shrink, so skipping them keeps the ratio at a frac
 Codec 3 (a delta) follows the header with the 16-byte digest of its base, another chunk of the
 same raw length, then a whole frame of codec 0, 1 or 2 holding the XOR of the two chunks' raw
 bytes: successive states of a tensor one training step apart differ in their low mantissa bytes,
-so the XOR's high planes are mostly zero and compress. Decoding needs the base's raw bytes.
+so the XOR's high planes are mostly zero and compress. It decodes onto the base's raw bytes
+(:func:`apply_delta`).
 
 Encoding never concatenates: a frame is a list of buffers written one after another, and a
 chunk that does not shrink is written straight from the tensor's memory.
@@ -327,14 +328,13 @@ def _unzstd(src: memoryview, dest: memoryview, what: str) -> None:
         raise IntegrityError(f"{what} decodes to more than the expected {n} bytes")
 
 
-def decode_into(frame: memoryview | bytes, dest: memoryview, base: memoryview | None = None) -> None:
+def decode_into(frame: memoryview | bytes, dest: memoryview) -> None:
     """Decode ``frame`` into ``dest``, which must be exactly the chunk's raw length.
 
-    A delta frame (:func:`delta_base` names its base) needs ``base``, the base chunk's raw bytes,
-    verified against its digest by the caller; any other frame refuses one. Never allocates more
-    than ``dest``'s length (a delta: than twice it), whatever the frame declares. Raises
+    Never allocates more than ``dest``'s length, whatever the frame declares. Raises
     :class:`IntegrityError` naming what is wrong when the frame is malformed; the caller
-    verifies the digest.
+    verifies the digest. A delta frame (:func:`delta_base` names its base) is refused: it
+    decodes onto its base's raw bytes, with :func:`apply_delta`.
     """
     fv = memoryview(frame).cast("B") if memoryview(frame).format != "B" else memoryview(frame)
     if fv.nbytes < HEADER_SIZE:
@@ -344,10 +344,7 @@ def decode_into(frame: memoryview | bytes, dest: memoryview, base: memoryview | 
     if out.nbytes != n:
         raise IntegrityError(f"chunk frame holds {n} raw bytes, expected {out.nbytes}")
     if codec == CODEC_DELTA:
-        _delta_into(fv, out, itemsize, mask, base)
-        return
-    if base is not None:
-        raise IntegrityError(f"chunk frame of codec {codec} is not a delta, but a base was given")
+        raise IntegrityError("delta chunk frame decoded without its base")
     body = fv[HEADER_SIZE:]
     if codec in (CODEC_RAW, CODEC_ZSTD) and (itemsize, mask) != (1, 0):
         raise IntegrityError(f"chunk frame of codec {codec} has itemsize {itemsize} and plane mask {mask:#x}")
@@ -367,10 +364,11 @@ def decode_into(frame: memoryview | bytes, dest: memoryview, base: memoryview | 
 
 
 def apply_delta(frame: memoryview | bytes, dest: memoryview, scratch: memoryview) -> None:
-    """Turn ``dest``, which holds the raw bytes of a delta frame's base, into the delta's chunk:
-    the frame's XOR is decoded into ``scratch`` (as long as ``dest``) and XORed into ``dest``.
-    A chain of deltas decodes in place this way, from its whole chunk up, with one scratch
-    buffer; the caller verifies each level's digest."""
+    """Turn ``dest``, which holds the raw bytes of a delta frame's base (verified against its
+    digest by the caller), into the delta's chunk: the frame's XOR is decoded into ``scratch``
+    (as long as ``dest``) and XORed into ``dest``. A chain of deltas decodes in place this way,
+    from its whole chunk up, with one scratch buffer; the caller verifies each level's digest.
+    Never allocates, whatever the frame declares."""
     fv = memoryview(frame).cast("B") if memoryview(frame).format != "B" else memoryview(frame)
     if fv.nbytes < HEADER_SIZE:
         raise IntegrityError(f"chunk frame of {fv.nbytes} bytes is shorter than its header")
@@ -388,22 +386,6 @@ def apply_delta(frame: memoryview | bytes, dest: memoryview, scratch: memoryview
     decode_into(inner, scratch)
     dst = np.frombuffer(out, dtype=np.uint8)
     np.bitwise_xor(dst, np.frombuffer(scratch, dtype=np.uint8), out=dst)
-
-
-def _delta_into(fv: memoryview, out: memoryview, itemsize: int, mask: int, base: memoryview | None) -> None:
-    if (itemsize, mask) != (1, 0):
-        raise IntegrityError(f"delta chunk frame has itemsize {itemsize} and plane mask {mask:#x}")
-    if base is None:
-        raise IntegrityError("delta chunk frame decoded without its base")
-    b = memoryview(base).cast("B") if memoryview(base).format != "B" else memoryview(base)
-    if b.nbytes != out.nbytes:
-        raise IntegrityError(f"delta chunk frame of {out.nbytes} raw bytes has a base of {b.nbytes}")
-    inner = fv[DELTA_OVERHEAD:]
-    if inner.nbytes >= 1 and inner[0] == CODEC_DELTA:
-        raise IntegrityError("delta chunk frame holds another delta frame")
-    decode_into(inner, out)  # the XOR
-    dst = np.frombuffer(out, dtype=np.uint8)
-    np.bitwise_xor(dst, np.frombuffer(b, dtype=np.uint8), out=dst)
 
 
 def _planes_into(body: memoryview, out: memoryview, itemsize: int, mask: int) -> None:
