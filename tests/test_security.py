@@ -392,6 +392,29 @@ def test_a_link_in_the_packs_folder_never_leads_a_delete_outside(tmp_path: Path)
     assert victim.read_text() == "someone else's file"
 
 
+def test_a_local_delete_refused_for_one_key_deletes_none_and_a_link_is_never_listed(tmp_path: Path) -> None:
+    """Every folder of a batch is checked before the first file goes (the batch's other keys
+    stay for gc to retry key by key); a batch of many keys is deleted whole, missing keys
+    ignored; a listing does not follow a link to a folder outside the store."""
+    from ckstore.blobstore import LocalBlobStore, NotOwnedError
+
+    blobs = LocalBlobStore(tmp_path / "b")
+    keys = [f"packs/{i:02x}/{i:032x}" for i in range(12)]
+    for k in keys:
+        blobs.put(k, b"pack bytes")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / ("f" * 32)
+    victim.write_text("someone else's file")
+    (tmp_path / "b" / "packs" / "ff").symlink_to(outside, target_is_directory=True)
+    assert sorted(i.key for i in blobs.list("packs/")) == keys
+    with pytest.raises(NotOwnedError, match="outside the store's own namespaces"):
+        blobs.delete([*keys[:6], f"packs/ff/{victim.name}", *keys[6:]])
+    assert victim.exists() and all(blobs.exists(k) for k in keys)
+    assert blobs.delete([*keys, "packs/00/" + "e" * 32]) == 13
+    assert [i.key for i in blobs.list("")] == [] and victim.exists()
+
+
 @pytest.mark.s3
 def test_a_trash_row_naming_the_config_deletes_nothing_on_s3(tmp_path: Path, s3_server: S3Server, s3_bucket: str) -> None:
     import boto3

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any, cast
 
+from .._threads import TaskGroup
 from ..errors import BlobStoreError
 from ._base import (
     OWNED_PREFIXES,
@@ -32,6 +33,9 @@ from ._base import (
 )
 
 __all__ = ["LocalBlobStore"]
+
+#: Files a delete unlinks at once (see :meth:`LocalBlobStore._delete`)
+_UNLINK_THREADS = 4
 
 
 class _Flusher:
@@ -214,33 +218,58 @@ class LocalBlobStore(BlobStore):
         return data
 
     def _delete(self, keys: Sequence[str]) -> None:
+        """Every key's folder is checked before any file goes, each folder once (gc deletes
+        hundreds of packs from the same few folders); the files are then unlinked on up to
+        :data:`_UNLINK_THREADS` threads (ext4 frees a file's extents in the ``unlink`` call:
+        about a millisecond for a 3 MiB pack on this project's test machine, 0.7 ms each with
+        four at a time)."""
         owned = [os.path.realpath(os.path.join(self.root, p.rstrip("/"))) for p in OWNED_PREFIXES]
+        checked: set[str] = set()
+        paths = []
         for key in keys:
             path = self._path(key)
-            # a namespace folder replaced by a link must not lead a delete out of the store
-            where = os.path.realpath(os.path.dirname(path))
-            if not any(where == o or where.startswith(o + os.sep) for o in owned):
-                raise NotOwnedError(
-                    f"refusing to delete {key!r} from {self.url}: its folder resolves to {where}, "
-                    "outside the store's own namespaces (a link was put in the store)"
-                )
-            _unlink(path)
+            folder = os.path.dirname(path)
+            if folder not in checked:
+                # a namespace folder replaced by a link must not lead a delete out of the store
+                where = os.path.realpath(folder)
+                if not any(where == o or where.startswith(o + os.sep) for o in owned):
+                    raise NotOwnedError(
+                        f"refusing to delete {key!r} from {self.url}: its folder resolves to {where}, "
+                        "outside the store's own namespaces (a link was put in the store)"
+                    )
+                checked.add(folder)
+            paths.append(path)
+        if len(paths) < 4:
+            for path in paths:
+                _unlink(path)
+            return
+        with TaskGroup("unlink", _UNLINK_THREADS) as pool:
+            for fut in [pool.submit(_unlink, p) for p in paths]:
+                fut.result()
 
     def _list(self, prefix: str) -> Iterator[BlobInfo]:
-        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
-        if not os.path.isdir(base):
-            return
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                full = os.path.join(dirpath, name)
-                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
-                if rel.startswith("tmp/") and not prefix.startswith("tmp"):
-                    continue
-                try:
-                    st = os.stat(full)
-                except FileNotFoundError:
-                    continue
-                yield BlobInfo(rel, st.st_size, st.st_mtime)
+        rel = prefix.strip("/")
+        base = self._path(rel) if rel else self.root
+        # folders to list, each with its key prefix; links to folders are not followed
+        todo = [(base, rel + "/" if rel else "")]
+        while todo:
+            folder, under = todo.pop()
+            try:
+                entries = os.scandir(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with entries:
+                for e in entries:
+                    key = under + e.name
+                    try:
+                        if e.is_dir():
+                            if not e.is_symlink() and (key != "tmp" or prefix.startswith("tmp")):
+                                todo.append((e.path, key + "/"))
+                            continue
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    yield BlobInfo(key, st.st_size, st.st_mtime)
 
     def _exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
