@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 RankStates = Mapping[int, Mapping[str, Any]]
 
 if TYPE_CHECKING:  # retention and garbage collection
+    from .maintenance.background import BackgroundGc, PendingGc
     from .maintenance.copy import CopyReport
     from .maintenance.du import DuReport
     from .maintenance.fsck import FsckReport
@@ -110,6 +111,7 @@ class Store:
         self.workers = workers or _default_workers()
         self.max_inflight = max_inflight
         self._async: AsyncCommits | None = None
+        self._gcs: BackgroundGc | None = None
         self._delta: Any = None  # a DeltaCache once write_deltas turned deltas on
 
     def write_deltas(self, chain: int, memory: int | None = None) -> None:
@@ -136,18 +138,27 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        """Wait for asynchronous commits in flight (raising a failure not yet raised), then close."""
+        """Wait for asynchronous commits and background gcs in flight (raising a failure not yet
+        raised), then close."""
         try:
             if self._async is not None:
                 self._async.close()
         finally:
-            self.catalog.close()
+            try:
+                if self._gcs is not None:
+                    self._gcs.wait()
+            finally:
+                self.catalog.close()
 
     def wait(self) -> None:
-        """Wait for every asynchronous commit in flight from this store; raise the first failure
-        not yet raised (by its ``PendingCommit.wait()`` or an earlier call)."""
-        if self._async is not None:
-            self._async.wait()
+        """Wait for every asynchronous commit and background gc in flight from this store; raise
+        the first failure not yet raised (by its ``wait()`` or an earlier call)."""
+        try:
+            if self._async is not None:
+                self._async.wait()
+        finally:
+            if self._gcs is not None:
+                self._gcs.wait()
 
     @property
     def staging_bytes(self) -> int:
@@ -215,7 +226,8 @@ class Store:
         if stage not in ("all", "changed"):
             raise StoreConfigError(f"stage must be 'all' or 'changed', got {stage!r}")
         if blocking:
-            self.wait()
+            if self._async is not None:  # the asynchronous commits first (a gc in flight goes on)
+                self._async.wait()
             with collector_paused():  # see ckstore._collector
                 return self.start_commit(
                     step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
@@ -498,6 +510,18 @@ class Store:
 
         return _gc.stored_policy(run, self.catalog.run_policy(run))
 
+    @overload
+    def gc(
+        self, policy: Policy | None = None, *, run: str | None = None, dry_run: bool = False,
+        grace: float | None = None, progress: Callable[[str, int, int], None] | None = None,
+        repack: bool = False, min_dead: float | None = None, blocking: Literal[True] = True,
+    ) -> GcReport: ...
+    @overload
+    def gc(
+        self, policy: Policy | None = None, *, run: str | None = None, dry_run: bool = False,
+        grace: float | None = None, progress: Callable[[str, int, int], None] | None = None,
+        repack: bool = False, min_dead: float | None = None, blocking: Literal[False],
+    ) -> PendingGc: ...
     def gc(
         self,
         policy: Policy | None = None,
@@ -508,7 +532,8 @@ class Store:
         progress: Callable[[str, int, int], None] | None = None,
         repack: bool = False,
         min_dead: float | None = None,
-    ) -> GcReport:
+        blocking: bool = True,
+    ) -> GcReport | PendingGc:
         """Drop the checkpoints retention policies release, then free unreferenced chunks.
 
         ``policy`` replaces the stored policy of ``run`` (every run when ``run`` is None) for this
@@ -517,7 +542,36 @@ class Store:
         see :mod:`ckstore.maintenance.gc`. ``progress(phase, done, total)`` is called on long sweeps.
         ``repack`` then rewrites packs whose dead fraction exceeds ``min_dead`` (see
         :mod:`ckstore.maintenance.repack`); the old packs go after the grace period.
+
+        With ``blocking=False`` the call returns a :class:`~ckstore.maintenance.background.PendingGc`
+        at once and a thread of this store runs the collection while training and commits go on
+        (see :mod:`ckstore.maintenance.background`); its failure raises from its ``wait()`` or
+        from this store's next ``gc``, ``wait`` or ``close``.
         """
+        from .maintenance import gc as _gc
+
+        _gc.check_grace(grace)
+        if policy is not None:
+            _gc.check_policy(policy)
+        if run is not None:
+            check_name("run", run)
+        kwargs: dict[str, Any] = dict(
+            policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress, repack=repack, min_dead=min_dead
+        )
+        if not blocking:
+            if self._gcs is None:
+                from .maintenance.background import BackgroundGc
+
+                self._gcs = BackgroundGc(self._gc, self.location)
+            return self._gcs.submit("gc of every run" if run is None else f"gc of run {run!r}", **kwargs)
+        if self._gcs is not None:
+            self._gcs.raise_failed()
+        return self._gc(**kwargs)
+
+    def _gc(
+        self, *, policy: Policy | None, run: str | None, dry_run: bool, grace: float | None,
+        progress: Callable[[str, int, int], None] | None, repack: bool, min_dead: float | None,
+    ) -> GcReport:  # fmt: skip
         from .maintenance import gc as _gc
 
         report = _gc.collect(self.catalog, self.blobs, policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress)

@@ -42,6 +42,8 @@ __all__ = [
     "Progress",
     "Reaped",
     "RunRetention",
+    "check_grace",
+    "check_policy",
     "collect",
     "delete",
     "set_policy",
@@ -122,14 +124,14 @@ class GcReport:
 
 
 # -- policies ---------------------------------------------------------------------------------
-def _check_policy(policy: object) -> None:
+def check_policy(policy: object) -> None:
     if policy is not None and not isinstance(policy, Policy):
         raise PolicyError(f"policy must be a ckstore.maintenance.retention.Policy, got {type(policy).__name__}")
 
 
 def set_policy(catalog: Catalog, run: str, policy: Policy | None) -> None:
     """Store ``policy`` as ``run``'s retention policy (None clears it)."""
-    _check_policy(policy)
+    check_policy(policy)
     catalog.set_run_policy(check_name("run", run), None if policy is None else policy_to_json(policy))
 
 
@@ -343,7 +345,7 @@ def collect(
     this call; without it each run's stored policy applies, and a run with none keeps everything.
     """
     grace = check_grace(grace)
-    _check_policy(policy)
+    check_policy(policy)
     t0 = time.perf_counter()
     now = utcnow()
     cutoff = time.time() - grace

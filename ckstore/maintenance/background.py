@@ -1,0 +1,139 @@
+"""gc in the background: ``Store.gc(blocking=False)``.
+
+A training loop that applies its retention policy every N steps need not stop for it: the call
+returns a :class:`PendingGc` at once and a thread of the store's own runs the collection, as
+checkpoint managers that delete old checkpoints in the background do. gc is safe while commits
+run, from this process or any other (``docs/format.md``, "Garbage collection and concurrency"),
+so the commits that follow go on meanwhile; most of a collection is deleting files (on ext4 about
+a millisecond per pack) and listing the store, time the training thread no longer waits for.
+
+Requests run one after another, in the order made, on one thread per store (started when a
+request comes and gone when none is left). A request made while an identical one waits to start
+(same arguments) returns that one: it reads the catalog when it starts, so it drops whatever the
+later request would have. Errors never vanish: a failed collection raises from its
+:meth:`PendingGc.wait`, and, until raised once, from the store's next ``gc``, ``wait`` and
+``close``. The thread is not a daemon: at interpreter exit Python waits for the collection
+running, and an interrupted one (a killed process) leaves what any interrupted gc leaves, objects
+its next run deletes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .gc import GcReport
+
+__all__ = ["BackgroundGc", "PendingGc"]
+
+
+class PendingGc:
+    """A gc running in the background. ``wait()`` returns its report or raises its error."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # "gc of every run", "gc of run 'exp'"
+        #: from the request to the end of the collection (None while in flight)
+        self.seconds: float | None = None
+        self._requested = time.perf_counter()
+        self._done = threading.Event()
+        self._report: GcReport | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def __repr__(self) -> str:
+        state = "in flight" if not self.done() else ("failed" if self._error else "done")
+        return f"PendingGc({self.what}, {state})"
+
+    def done(self) -> bool:
+        """Whether the collection has finished (successfully or not); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> GcReport:
+        """Wait for the collection; its report, or its error raised here."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.what} is still in flight after {timeout}s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+    def _finish(self, report: GcReport | None, error: BaseException | None) -> None:
+        self._report, self._error = report, error
+        self.seconds = time.perf_counter() - self._requested
+        self._done.set()
+
+
+class BackgroundGc:
+    """A store's background collections: a queue, the thread that runs it, error reporting."""
+
+    def __init__(self, collect: Callable[..., GcReport], name: str) -> None:
+        self._collect = collect
+        self._name = name
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[tuple[Any, ...], dict[str, Any], PendingGc]] = deque()
+        self._pending: list[PendingGc] = []  # requested, and failed ones not yet raised
+        self._thread: threading.Thread | None = None
+
+    def submit(self, what: str, **kwargs: Any) -> PendingGc:
+        """Queue a collection with ``kwargs`` (those of ``Store.gc``); raises an earlier
+        collection's failure not yet raised instead."""
+        self.raise_failed()
+        key = tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
+        with self._lock:
+            if self._queue and _same(self._queue[-1][0], key):
+                return self._queue[-1][2]
+            pending = PendingGc(what)
+            self._queue.append((key, kwargs, pending))
+            self._pending.append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"ckstore-gc {self._name}")
+                self._thread.start()
+        return pending
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                _, kwargs, pending = self._queue.popleft()
+            try:
+                report = self._collect(**kwargs)
+            except BaseException as e:  # raised by wait(), or by the store's next call
+                pending._finish(None, e)
+            else:
+                pending._finish(report, None)
+
+    def in_flight(self) -> list[PendingGc]:
+        with self._lock:
+            return [p for p in self._pending if not p.done()]
+
+    def raise_failed(self) -> None:
+        """Raise the first failure of an earlier collection not yet raised anywhere."""
+        with self._lock:
+            failed = [p for p in self._pending if p.done() and p._error is not None and not p._reported]
+            self._pending = [p for p in self._pending if not p.done()]
+        if failed:
+            for p in failed:
+                p._reported = True
+            e = failed[0]._error
+            assert e is not None
+            e.add_note(f"(raised by a later call: this background {failed[0].what} failed)")
+            raise e
+
+    def wait(self) -> None:
+        """Wait for every collection requested; raise the first failure not yet raised."""
+        for p in self.in_flight():
+            p._done.wait()
+        self.raise_failed()
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an argument whose comparison fails is never the same request
+        return False
