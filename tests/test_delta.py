@@ -149,6 +149,55 @@ def test_gc_keeps_the_bases_of_what_it_keeps(store_path: Path) -> None:
     assert_clean(s)
 
 
+def test_du_says_what_dropping_a_checkpoint_of_deltas_frees(tmp_path: Path) -> None:
+    """A checkpoint holds its chunks and the bases its deltas decode through: du's exclusive
+    bytes for each checkpoint of two runs of chained deltas are what deleting it and sweeping
+    frees (each tried on its own copy of the store), and the bases gc keeps for checkpoints it
+    kept are reported as such."""
+    import shutil
+
+    origin = tmp_path / "origin"
+    with ckstore.open(origin, run="a", delta_chain=3, **SETTINGS) as s:
+        for step, st in enumerate(_states(6)):
+            s.commit(step, st)
+        for step, st in enumerate(_states(3, seed=1)):
+            s.commit(step, st, run="b")
+        rep = s.du()
+        assert rep.base_bytes == 0 and rep.garbage_bytes == 0
+        predicted = {u.name: u.exclusive_bytes for u in rep.checkpoints}
+        by_run = {u.name: u.exclusive_bytes for u in rep.runs}
+    # the first checkpoints' chunks are every later delta's bases: dropping them frees ~nothing
+    assert predicted["a@0"] < 100 < predicted["a@5"]
+    for ref, expect in predicted.items():
+        path = tmp_path / ref.replace("@", "-")
+        shutil.copytree(origin, path)
+        with ckstore.open(path) as s:
+            s.delete(ref, force=True)
+            assert s.gc(grace=0).chunk_bytes_freed == expect, ref
+            assert_clean(s)
+    for run, expect in by_run.items():
+        path = tmp_path / f"run-{run}"
+        shutil.copytree(origin, path)
+        with ckstore.open(path) as s:
+            for ck in s.checkpoints(run=run):
+                s.delete(ck.ref, force=True)
+            assert s.gc(grace=0).chunk_bytes_freed == expect, run
+    # keeping a@3 (three deltas deep) to a@5 keeps the bases of a@3's deltas, chunks no kept
+    # checkpoint references: du reports them apart, and counts them as a@3's own
+    with ckstore.open(origin) as s:
+        s.gc(LatestN(3), run="a", grace=0)
+        assert [c.step for c in s.checkpoints(run="a")] == [3, 4, 5]
+        rep = s.du()
+        assert rep.base_bytes > 0 and rep.garbage_bytes == 0
+        assert rep.total.exclusive_bytes == rep.total.stored_bytes + rep.base_bytes
+        held = {u.name: u for u in rep.checkpoints}
+        assert held["a@3"].exclusive_bytes > rep.base_bytes
+        s.delete("a@3", force=True)
+        assert s.gc(grace=0).chunk_bytes_freed == held["a@3"].exclusive_bytes
+        assert s.du().base_bytes == 0
+        assert_clean(s)
+
+
 def test_a_damaged_base_is_reported_and_never_decoded_into_wrong_bytes(store_path: Path) -> None:
     s, digest, base = _two_steps(store_path)
     key, offset, length = _rows(
@@ -279,6 +328,11 @@ def test_deltas_on_s3_with_a_postgresql_catalog(s3_server: S3Server, s3_bucket: 
     for step in (4, 5):
         assert_same(s.checkout(step), states[step])
     assert_clean(s)
+    held = {u.name: u for u in s.du().checkpoints}  # r@4's chunks are r@5's bases: dropping r@4 frees ~none
+    assert held["r@4"].exclusive_bytes < held["r@4"].stored_bytes // 2 and held["r@5"].exclusive_bytes > 0
+    s.gc(LatestN(1), grace=0)
+    assert s.du().base_bytes > 0  # r@4's chunks, kept for r@5's deltas
+    assert_same(s.checkout(5), states[5])
     s.close()
 
 

@@ -29,7 +29,7 @@ __all__ = [
     "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH", "RUN_ID",
     "RUN_ORIGIN",
     "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
-    "needed_bases",
+    "needed_bases", "bases_held_by_checkpoint",
     "ChunkRow", "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
 
@@ -96,6 +96,25 @@ def needed_bases() -> Any:
         .cte("needed_bases", recursive=True)
     )
     deeper = select(below.c.base).join(first, below.c.digest == first.c.digest).where(below.c.base.is_not(None))
+    return first.union(deeper)
+
+
+def bases_held_by_checkpoint() -> Any:
+    """``(checkpoint_id, digest)`` of every base a checkpoint's referenced deltas decode through,
+    down their chains: what else a checkpoint holds in the store besides the chunks it
+    references (a recursive CTE; ``UNION`` ends a cycle a damaged catalog might hold)."""
+    below = CHUNKS.alias("below")
+    first = (
+        select(CHUNK_REFS.c.checkpoint_id, CHUNKS.c.base.label("digest"))
+        .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id))
+        .where(CHUNKS.c.base.is_not(None))
+        .cte("bases_held", recursive=True)
+    )
+    deeper = (
+        select(first.c.checkpoint_id, below.c.base)
+        .join(first, below.c.digest == first.c.digest)
+        .where(below.c.base.is_not(None))
+    )
     return first.union(deeper)
 
 

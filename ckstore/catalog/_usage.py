@@ -3,17 +3,29 @@ and checkpoint, in a few set-based queries (chunks are never loaded into Python)
 
 Bytes are chunk bytes: logical (what was saved), unique (raw bytes of the distinct chunks
 referenced), stored (their compressed size) and exclusive (stored bytes of the chunks nothing
-else references: what dropping it would free).
+else holds: what dropping it would free). A checkpoint holds the chunks it references and, in a
+store with delta chunks, every base its deltas decode through: dropping it frees a base only
+other checkpoints' deltas do not need, and never a chunk that a delta still needs as its base.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, text
+from sqlalchemy import exists, func, select, text
 
 from ._queries import QueriesMixin
-from ._rows import CHECKPOINTS, CHUNK_REFS, CHUNKS, PACKS, RUNS, run_id, unreferenced_chunk
+from ._rows import (
+    CHECKPOINTS,
+    CHUNK_REFS,
+    CHUNKS,
+    PACKS,
+    RUNS,
+    bases_held_by_checkpoint,
+    needed_bases,
+    run_id,
+    unreferenced_chunk,
+)
 from ._schema import COMMITTED
 
 __all__ = ["StoreUsage", "Usage", "UsageMixin"]
@@ -47,6 +59,9 @@ class StoreUsage:
     stored_bytes: int
     pack_bytes: int  # size of every pack object the catalog records
     garbage_bytes: int  # stored bytes of chunks no checkpoint references (the next gc frees them)
+    #: stored bytes of chunks no checkpoint references that gc keeps as the bases of referenced
+    #: deltas (each checkpoint's exclusive bytes count the bases only it holds)
+    base_bytes: int = 0
 
 
 class UsageMixin(QueriesMixin):
@@ -58,42 +73,85 @@ class UsageMixin(QueriesMixin):
                 conn.execute(text("SET LOCAL work_mem = '64MB'"))
             if run is not None:
                 run_id(conn, run)
+            # the chunks each checkpoint holds: those it references, and with delta chunks the bases
+            # they decode through (a store without deltas skips the recursive query)
+            has_deltas = conn.execute(select(CHUNKS.c.id).where(CHUNKS.c.base.is_not(None)).limit(1)).first()
+            if has_deltas is None:
+                held = select(CHUNK_REFS.c.checkpoint_id, CHUNK_REFS.c.chunk_id).subquery()
+            else:
+                needs = bases_held_by_checkpoint()
+                held = (
+                    select(CHUNK_REFS.c.checkpoint_id, CHUNK_REFS.c.chunk_id)
+                    .union(
+                        select(needs.c.checkpoint_id, CHUNKS.c.id).join(CHUNKS, CHUNKS.c.digest == needs.c.digest)
+                    )
+                    .subquery()
+                )
             # how many checkpoints and runs hold each chunk (any status: a pending commit holds too)
             holders = (
                 select(
-                    CHUNK_REFS.c.chunk_id,
+                    held.c.chunk_id,
                     func.count().label("n"),
                     func.min(CHECKPOINTS.c.run_id).label("run_id"),
                     func.max(CHECKPOINTS.c.run_id).label("last_run_id"),
                 )
-                .select_from(CHUNK_REFS.join(CHECKPOINTS, CHECKPOINTS.c.id == CHUNK_REFS.c.checkpoint_id))
-                .group_by(CHUNK_REFS.c.chunk_id)
+                .select_from(held.join(CHECKPOINTS, CHECKPOINTS.c.id == held.c.checkpoint_id))
+                .group_by(held.c.chunk_id)
                 .subquery()
             )
 
             # -- per checkpoint
-            refs = (
-                select(
-                    CHUNK_REFS.c.checkpoint_id,
-                    func.sum(CHUNKS.c.raw_size).label("raw"),
-                    func.sum(CHUNKS.c.length).label("stored"),
-                    func.sum(CHUNKS.c.length).filter(holders.c.n == 1).label("solo"),
-                )
-                .select_from(
-                    CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(
-                        holders, holders.c.chunk_id == CHUNK_REFS.c.chunk_id
+            if has_deltas is None:  # what a checkpoint holds is what it references: one pass
+                refs = (
+                    select(
+                        CHUNK_REFS.c.checkpoint_id,
+                        func.sum(CHUNKS.c.raw_size).label("raw"),
+                        func.sum(CHUNKS.c.length).label("stored"),
+                        func.sum(CHUNKS.c.length).filter(holders.c.n == 1).label("solo"),
                     )
+                    .select_from(
+                        CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(
+                            holders, holders.c.chunk_id == CHUNK_REFS.c.chunk_id
+                        )
+                    )
+                    .group_by(CHUNK_REFS.c.checkpoint_id)
+                    .subquery()
                 )
-                .group_by(CHUNK_REFS.c.checkpoint_id)
-                .subquery()
-            )
+                solo_col = refs.c.solo
+                joined = CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id).outerjoin(
+                    refs, refs.c.checkpoint_id == CHECKPOINTS.c.id
+                )
+            else:
+                refs = (
+                    select(
+                        CHUNK_REFS.c.checkpoint_id,
+                        func.sum(CHUNKS.c.raw_size).label("raw"),
+                        func.sum(CHUNKS.c.length).label("stored"),
+                    )
+                    .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id))
+                    .group_by(CHUNK_REFS.c.checkpoint_id)
+                    .subquery()
+                )
+                alone = (
+                    select(held.c.checkpoint_id, func.sum(CHUNKS.c.length).label("solo"))
+                    .select_from(
+                        held.join(holders, holders.c.chunk_id == held.c.chunk_id).join(
+                            CHUNKS, CHUNKS.c.id == held.c.chunk_id
+                        )
+                    )
+                    .where(holders.c.n == 1)
+                    .group_by(held.c.checkpoint_id)
+                    .subquery()
+                )
+                solo_col = alone.c.solo
+                joined = (
+                    CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+                    .outerjoin(refs, refs.c.checkpoint_id == CHECKPOINTS.c.id)
+                    .outerjoin(alone, alone.c.checkpoint_id == CHECKPOINTS.c.id)
+                )
             q = (
-                select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.logical_bytes, refs.c.raw, refs.c.stored, refs.c.solo)
-                .select_from(
-                    CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id).outerjoin(
-                        refs, refs.c.checkpoint_id == CHECKPOINTS.c.id
-                    )
-                )
+                select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.logical_bytes, refs.c.raw, refs.c.stored, solo_col)
+                .select_from(joined)
                 .where(committed)
                 .order_by(RUNS.c.id, CHECKPOINTS.c.step)
             )
@@ -123,7 +181,7 @@ class UsageMixin(QueriesMixin):
                     .group_by(run_chunks.c.run_id)
                 )
             }
-            solo = {
+            run_solo = {
                 rid: int(b or 0)
                 for rid, b in conn.execute(
                     select(holders.c.run_id, func.sum(CHUNKS.c.length))
@@ -145,7 +203,7 @@ class UsageMixin(QueriesMixin):
             runs = tuple(
                 Usage(
                     name, int(n or 0), int(logical or 0), stored.get(rid, (0, 0))[0], stored.get(rid, (0, 0))[1],
-                    solo.get(rid, 0),
+                    run_solo.get(rid, 0),
                 )
                 for rid, name, n, logical in conn.execute(
                     select(RUNS.c.id, RUNS.c.name, counts.c.n, counts.c.logical)
@@ -166,5 +224,14 @@ class UsageMixin(QueriesMixin):
             garbage = conn.execute(
                 select(func.coalesce(func.sum(CHUNKS.c.length), 0)).where(unreferenced_chunk())
             ).scalar_one()
+            bases = 0
+            if has_deltas is not None:
+                needed = needed_bases()
+                bases = conn.execute(
+                    select(func.coalesce(func.sum(CHUNKS.c.length), 0)).where(
+                        ~exists().where(CHUNK_REFS.c.chunk_id == CHUNKS.c.id),
+                        exists().where(needed.c.digest == CHUNKS.c.digest),
+                    )
+                ).scalar_one()
             pack_bytes = conn.execute(select(func.coalesce(func.sum(PACKS.c.size), 0))).scalar_one()
-        return StoreUsage(runs, ckpts, int(raw or 0), int(st or 0), int(pack_bytes), int(garbage))
+        return StoreUsage(runs, ckpts, int(raw or 0), int(st or 0), int(pack_bytes), int(garbage), int(bases))

@@ -369,6 +369,11 @@ def du(obj: Ctx, run: str | None, per_ckpt: bool, as_json: bool) -> None:
     console.print(
         f"pack objects hold {human_bytes(rep.pack_bytes)}; {human_bytes(rep.garbage_bytes)} of chunks no checkpoint "
         "references (the next gc frees them)"
+        + (
+            f"; {human_bytes(rep.base_bytes)} of chunks no checkpoint references kept as the bases of delta chunks"
+            if rep.base_bytes
+            else ""
+        )
     )
 
 

@@ -26,6 +26,8 @@ class DuReport:
     checkpoints: tuple[Usage, ...]
     pack_bytes: int  # size of every pack object the catalog records
     garbage_bytes: int  # stored bytes of chunks no checkpoint references (the next gc frees them)
+    #: stored bytes of chunks no checkpoint references, kept as the bases of deltas that are
+    base_bytes: int = 0
 
 
 def usage(catalog: Catalog, run: str | None = None) -> DuReport:
@@ -37,6 +39,6 @@ def usage(catalog: Catalog, run: str | None = None) -> DuReport:
         sum(r.logical_bytes for r in u.runs),
         u.unique_bytes,
         u.stored_bytes,
-        u.stored_bytes,  # dropping everything frees every chunk committed checkpoints reference
+        u.stored_bytes + u.base_bytes,  # dropping everything frees what checkpoints reference, and bases
     )
-    return DuReport(total, u.runs, u.checkpoints, u.pack_bytes, u.garbage_bytes)
+    return DuReport(total, u.runs, u.checkpoints, u.pack_bytes, u.garbage_bytes, u.base_bytes)
