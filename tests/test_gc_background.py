@@ -124,3 +124,29 @@ def test_close_waits_for_the_collection(store: ckstore.Store, tmp_path: Path) ->
     with ckstore.open(tmp_path / "s") as again:
         assert [c.step for c in again.checkpoints()] == [6]
         assert again.gc().packs_deleted == 0  # nothing left behind
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_collection(store: ckstore.Store) -> None:
+    """A forked child (a DataLoader worker, say) inherits the store object but not its gc thread:
+    its wait() returns, and a collection it asks for runs on a thread of its own."""
+    import os
+
+    gate = Gate()
+    pending = store.gc(LatestN(4), blocking=False, progress=gate)
+    assert gate.entered.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if all of it works, within a minute
+        import signal
+
+        signal.alarm(60)
+        try:
+            store.wait()
+            report = store.gc(LatestN(4), blocking=False).wait(60)
+            os._exit(0 if report.dropped == [] else 3)  # the parent's transaction dropped them already
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    gate.open.set()
+    assert pending.wait(60).dropped == ["exp@1", "exp@2"]
+    store.close()

@@ -8,7 +8,7 @@ so the commits that follow go on meanwhile; most of a collection is deleting fil
 a millisecond per pack) and listing the store, time the training thread no longer waits for.
 
 Requests run one after another, in the order made, on one thread per store (started when a
-request comes and gone when none is left). A request made while an identical one waits to start
+request comes and gone when none is left; a ``progress`` callback is called on it). A request made while an identical one waits to start
 (same arguments) returns that one: it reads the catalog when it starts, so it drops whatever the
 later request would have. Errors never vanish: a failed collection raises from its
 :meth:`PendingGc.wait`, and, until raised once, from the store's next ``gc``, ``wait`` and
@@ -19,6 +19,7 @@ its next run deletes.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -77,6 +78,7 @@ class BackgroundGc:
         self._queue: deque[tuple[tuple[Any, ...], dict[str, Any], PendingGc]] = deque()
         self._pending: list[PendingGc] = []  # requested, and failed ones not yet raised
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
 
     def submit(self, what: str, **kwargs: Any) -> PendingGc:
         """Queue a collection with ``kwargs`` (those of ``Store.gc``); raises an earlier
@@ -108,12 +110,20 @@ class BackgroundGc:
             else:
                 pending._finish(report, None)
 
+    def _forget_if_forked(self) -> None:
+        """In a forked child (a DataLoader worker, say) the parent's collections, thread and lock
+        are not its own: it starts afresh (its parent waits for them)."""
+        if os.getpid() != self._pid:
+            self.__init__(self._collect, self._name)  # type: ignore[misc]
+
     def in_flight(self) -> list[PendingGc]:
+        self._forget_if_forked()
         with self._lock:
             return [p for p in self._pending if not p.done()]
 
     def raise_failed(self) -> None:
         """Raise the first failure of an earlier collection not yet raised anywhere."""
+        self._forget_if_forked()
         with self._lock:
             failed = [p for p in self._pending if p.done() and p._error is not None and not p._reported]
             self._pending = [p for p in self._pending if not p.done()]
