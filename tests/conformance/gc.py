@@ -384,6 +384,37 @@ class GcConformance:
             assert_same(store.checkout(step), state(step))
         assert_tidy(store)
 
+    def test_a_background_gc_runs_while_commits_go_on(self, gc_store: ckstore.Store) -> None:
+        """``gc(blocking=False)``: the collection, held at its first delete, runs on the store's
+        gc thread while a blocking and an asynchronous commit land; every object it was to delete
+        goes, and nothing else."""
+        import threading
+
+        store = gc_store
+        for step in (1, 2, 3, 4):
+            store.commit(step, state(step))
+        frees = only_used_by(store, {"exp@1", "exp@2", "exp@3"})
+        entered, opened, threads = threading.Event(), threading.Event(), set()
+
+        def gate(phase: str, done: int, total: int) -> None:
+            threads.add(threading.current_thread().name)
+            if phase == "delete":
+                entered.set()
+                assert opened.wait(60)
+
+        pending = store.gc(LatestN(1), grace=0, blocking=False, progress=gate)
+        assert entered.wait(60) and not pending.done()
+        store.commit(5, state(5))
+        store.commit(6, state(6), blocking=False).wait()
+        opened.set()
+        report = pending.wait(60)
+        assert report.dropped == ["exp@1", "exp@2", "exp@3"] and report.packs_deleted == len(frees)
+        assert threads and all(t.startswith("ckstore-gc") for t in threads)
+        assert not set(objects(store)) & frees
+        for step in (4, 5, 6):
+            assert_same(store.checkout(step), state(step))
+        assert_tidy(store)
+
     # -- du ---------------------------------------------------------------------------------------
     def test_du_agrees_with_the_catalog_blobs_and_gc(self, gc_store: ckstore.Store) -> None:
         store = gc_store
