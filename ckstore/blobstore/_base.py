@@ -178,6 +178,14 @@ class BlobStore(ABC):
         self.stats.add(reads=1, bytes_read=len(data))
         return data
 
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        """Bytes ``[start, start + len(out))`` of ``key``, into ``out``."""
+        self._read_into(key, start, out)
+        self.stats.add(reads=1, bytes_read=out.nbytes)
+
+    def _read_into(self, key: str, start: int, out: memoryview) -> None:
+        out[:] = self._read(key, start, start + out.nbytes)
+
     def delete(self, keys: Iterable[str]) -> int:
         """Delete ``keys``; returns how many were asked for. Missing keys are ignored. A key
         outside :data:`OWNED_PREFIXES` raises :class:`NotOwnedError` and nothing is deleted."""

@@ -217,6 +217,29 @@ class LocalBlobStore(BlobStore):
             )
         return data
 
+    def _read_into(self, key: str, start: int, out: memoryview) -> None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise BlobNotFoundError(f"no object {key!r} in {self.url}") from e
+        except OSError as e:
+            raise BlobStoreError(f"reading {key!r} in {self.url} failed: {e}") from e
+        try:
+            done = 0
+            while done < out.nbytes:
+                n = os.preadv(fd, [out[done:]], start + done)
+                if n == 0:
+                    raise BlobStoreError(
+                        f"object {key!r} in {self.url} is shorter than expected: wanted bytes "
+                        f"[{start}, {start + out.nbytes}), got {done}"
+                    )
+                done += n
+        except OSError as e:
+            raise BlobStoreError(f"reading {key!r} in {self.url} failed: {e}") from e
+        finally:
+            os.close(fd)
+
     def _delete(self, keys: Sequence[str]) -> None:
         """Every key's folder is checked before any file goes, each folder once (gc deletes
         hundreds of packs from the same few folders); the files are then unlinked on up to

@@ -40,6 +40,18 @@ class BlobStoreConformance:
         blobs.put("short", b"0123456789")
         with pytest.raises(BlobStoreError, match="shorter than expected"):
             blobs.read("short", 5, 20)
+        with pytest.raises(BlobStoreError, match="shorter than expected"):
+            blobs.read_into("short", 5, memoryview(bytearray(15)))
+
+    def test_range_reads_into_a_buffer(self, blobs: BlobStore) -> None:
+        data = os.urandom(3 << 20)
+        blobs.put("packs/ab/into", data)
+        buf = bytearray(b"x" * (2 << 20))
+        blobs.read_into("packs/ab/into", 1000, memoryview(buf)[10 : (1 << 20) + 10])
+        assert buf[:10] == b"x" * 10 and buf[10 : (1 << 20) + 10] == data[1000 : 1000 + (1 << 20)]
+        assert buf[(1 << 20) + 10 :] == b"x" * ((1 << 20) - 10)  # nothing past the view is written
+        with pytest.raises(BlobNotFoundError):
+            blobs.read_into("packs/00/nope", 0, memoryview(buf)[:10])
 
     def test_missing_object(self, blobs: BlobStore) -> None:
         with pytest.raises(BlobNotFoundError, match="nope") as info:
