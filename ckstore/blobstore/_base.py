@@ -141,6 +141,8 @@ class BlobStore(ABC):
     is_local: bool = False
     #: How many objects a commit may have uploading at once (each fully written by one thread).
     write_concurrency: int = 1
+    #: True when :meth:`read_into` reads straight into the caller's buffer (no bytes in between)
+    reads_into: bool = False
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -179,7 +181,8 @@ class BlobStore(ABC):
         return data
 
     def read_into(self, key: str, start: int, out: memoryview) -> None:
-        """Bytes ``[start, start + len(out))`` of ``key``, into ``out``."""
+        """Bytes ``[start, start + len(out))`` of ``key``, into ``out`` (straight from the object
+        where :attr:`reads_into` says so; otherwise read, then copied)."""
         self._read_into(key, start, out)
         self.stats.add(reads=1, bytes_read=out.nbytes)
 

@@ -125,6 +125,7 @@ class LocalBlobStore(BlobStore):
     is_local = True
     #: a finished pack's fsync and rename overlap with filling the next one
     write_concurrency = 2
+    reads_into = True
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.root = os.path.abspath(os.fspath(root))

@@ -1,9 +1,10 @@
 """The checkout executor: runs a :class:`~ckstore.checkout.readplan.ReadPlan` against the blob store.
 
 Chunks are fetched with coalesced range reads (one request for neighbouring chunks of a pack),
-in parallel threads, each into a buffer the thread keeps for the checkout; zstd and xxhash release the GIL. Each chunk is decoded straight into the
-target tensor's memory when the plan wants the whole chunk there, verified against its digest,
-and copied to any other place that needs the same bytes. Staging buffers (for pieces that are
+in parallel threads (from a local store each into a buffer the thread keeps for the checkout);
+zstd and xxhash release the GIL. Each chunk is decoded straight into the target tensor's memory
+when the plan wants the whole chunk there, verified against its digest, and copied to any other
+place that needs the same bytes. Staging buffers (for pieces that are
 not contiguous in the target) live only until their box copies are done.
 """
 
@@ -27,7 +28,7 @@ from ..format.tensorio import byte_view, dtype_from_name, empty_tensor
 from .bases import Bases
 from .readplan import ChunkCopy, ReadPlan
 
-__all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX"]
+__all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX", "LOCAL_READ_MAX"]
 
 # Neighbouring chunks of a pack are fetched in one request when the bytes between them are few:
 # at most COALESCE_GAP, and either under COALESCE_SMALL or under 1/COALESCE_WASTE of the bytes the
@@ -36,6 +37,11 @@ COALESCE_GAP = 256 * 1024
 COALESCE_SMALL = 4 * 1024
 COALESCE_WASTE = 8
 COALESCE_MAX = 32 * 1024 * 1024
+#: The longest read from a store that reads into buffers (local files): each read thread keeps a
+#: buffer that long while reads are left, so a checkout's peak stays what it was with 32 MiB
+#: reads into fresh buffers; from the page cache 16 MiB reads also decoded faster (fewer fresh
+#: pages), and from the disk within 3% of 32 MiB ones (docs/benchmarks.md, "Byte planes")
+LOCAL_READ_MAX = 16 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -114,13 +120,17 @@ def execute_plan(
         boxes_by_src[bx.src].append(bx)
 
     lock = threading.Lock()
-    # each worker reads into one buffer of its own for the whole checkout, grown to its longest
-    # read: faulting in fresh pages for every read cost as much as copying them (the 87 MiB fp32
-    # checkout from the page cache: 54.5–56.8 against 57.9–67.4 ms, docs/benchmarks.md)
+    # each worker reads into one buffer of its own, grown to its longest read and kept while
+    # reads are left to start: faulting in fresh pages for every read cost as much as copying
+    # them (the 87 MiB fp32 checkout from the page cache: 54.5–56.8 against 57.9–67.4 ms,
+    # docs/benchmarks.md); a blob store that can only return bytes (object stores) hands those
+    # over, not copied again
     scratch = threading.local()
 
     def read(rd: _Read) -> memoryview:
         n = rd.end - rd.start
+        if not blobs.reads_into:
+            return memoryview(blobs.read(rd.key, rd.start, rd.end))
         buf: memoryview | None = getattr(scratch, "buf", None)
         if buf is None or buf.nbytes < n:
             scratch.buf = None  # the old one goes before the new one is allocated
@@ -140,9 +150,16 @@ def execute_plan(
             by_digest: dict[bytes, list[ChunkCopy]] = defaultdict(list)
             for c in copies:
                 by_digest[c.digest].append(c)
-            reads = _coalesce(list(by_digest), locs, _max_read(by_digest, locs, workers))
+            longest = LOCAL_READ_MAX if blobs.reads_into else COALESCE_MAX
+            reads = _coalesce(list(by_digest), locs, _max_read(by_digest, locs, workers, longest))
+            unstarted = [len(reads)]
 
-            def run(rd: _Read, lv: dict[int, np.ndarray] = local_views, bd: dict[bytes, list[ChunkCopy]] = by_digest) -> None:
+            def run(
+                rd: _Read, lv: dict[int, np.ndarray] = local_views, bd: dict[bytes, list[ChunkCopy]] = by_digest,
+                unstarted: list[int] = unstarted,
+            ) -> None:
+                with lock:
+                    unstarted[0] -= 1
                 try:
                     data = read(rd)
                 except BlobNotFoundError as e:
@@ -159,6 +176,9 @@ def execute_plan(
                     frame = data[loc.offset - rd.start : loc.offset - rd.start + loc.length]
                     _deliver(d, frame, loc, bd[d], lv, where, bases)
                     done += sum(c.src_stop - c.src_start for c in bd[d])
+                del data
+                if not unstarted[0]:  # no read left for this thread: its buffer goes now, not at the end
+                    scratch.buf = None
                 if progress is not None:
                     with lock:
                         progress(done)
@@ -181,12 +201,12 @@ def execute_plan(
     return tensors
 
 
-def _max_read(digests: Iterable[bytes], locs: dict[bytes, ChunkLocation], workers: int) -> int:
-    """The longest coalesced read for these chunks: up to :data:`COALESCE_MAX`, but short enough
+def _max_read(digests: Iterable[bytes], locs: dict[bytes, ChunkLocation], workers: int, cap: int = COALESCE_MAX) -> int:
+    """The longest coalesced read for these chunks: up to ``cap``, but short enough
     that there are about two reads per worker, so that decoding (the bulk of a checkout from
     the page cache) runs on every worker even when the whole checkpoint sits in one pack."""
     total = sum(locs[d].length for d in digests)
-    return max(COALESCE_SMALL, min(COALESCE_MAX, total // max(1, 2 * workers)))
+    return max(COALESCE_SMALL, min(cap, total // max(1, 2 * workers)))
 
 
 def _check_location(c: ChunkCopy, loc: ChunkLocation | None, where: str) -> None:
