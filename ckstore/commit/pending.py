@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .._threads import Outcome
 from ..errors import CkstoreError
 from ..format.tensorio import StagingBuffer
 from ..records import Checkpoint
@@ -42,46 +43,14 @@ from .protocol import StagedCommit
 __all__ = ["PendingCommit", "AsyncCommits"]
 
 
-class PendingCommit:
-    """A commit running in the background. ``wait()`` returns its checkpoint or raises its error."""
+class PendingCommit(Outcome[Checkpoint]):
+    """A commit running in the background. ``wait()`` returns its checkpoint or raises its error;
+    ``seconds`` runs from the call to the checkpoint becoming visible."""
 
     def __init__(self, what: str, blocked_seconds: float) -> None:
-        self.what = what  # "commit of run 'exp', step 3"
+        super().__init__(what, started=time.perf_counter() - blocked_seconds)
         #: how long ``commit`` blocked the caller (staging included)
         self.blocked_seconds = blocked_seconds
-        #: from the call to the checkpoint becoming visible (None while in flight)
-        self.seconds: float | None = None
-        self._started = time.perf_counter() - blocked_seconds
-        self._done = threading.Event()
-        self._result: Checkpoint | None = None
-        self._error: BaseException | None = None
-        self._reported = False
-
-    def __repr__(self) -> str:
-        state = "in flight" if not self.done() else ("failed" if self._error else "done")
-        return f"PendingCommit({self.what}, {state})"
-
-    def done(self) -> bool:
-        """Whether the commit has finished (successfully or not); never blocks."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> Checkpoint:
-        """Wait for the commit; its checkpoint, or its error raised here."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.what} is still in flight after {timeout}s")
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        assert self._result is not None
-        return self._result
-
-    def _finish(self, result: Checkpoint | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        self.seconds = time.perf_counter() - self._started
-        self._done.set()
-
-    def _unreported(self) -> BaseException | None:
-        return self._error if self._done.is_set() and not self._reported else None
 
 
 class AsyncCommits:
@@ -114,19 +83,19 @@ class AsyncCommits:
     def raise_failed(self) -> None:
         """Raise the first failure of an earlier commit not yet raised anywhere."""
         with self._lock:
-            failed = [(p, e) for p in self._pending if (e := p._unreported()) is not None]
+            failed = [(p, e) for p in self._pending if (e := p.unreported()) is not None]
             self._pending = [p for p in self._pending if not p.done()]
         if failed:
             p, e = failed[0]
             for q, _ in failed:
-                q._reported = True
+                q.mark_reported()
             e.add_note(f"(raised by a later call: this asynchronous {p.what} failed; nothing of it became visible)")
             raise e
 
     def wait(self) -> None:
         """Wait for every commit in flight; raise the first failure not yet raised."""
         for p in self.in_flight():
-            p._done.wait()
+            p.join()
         self.raise_failed()
 
     def background_group(self, process_group: Any) -> Any:
@@ -197,9 +166,9 @@ class AsyncCommits:
             try:
                 ckpt = job.complete()
             except BaseException as e:  # noqa: BLE001 - kept for wait(), the next commit, close()
-                pending._finish(None, e)
+                pending.finish(None, e)
             else:
-                pending._finish(ckpt, None)
+                pending.finish(ckpt, None)
             finally:
                 self._slots.put(buf)
 
@@ -227,9 +196,9 @@ def _exit_hook(ref: weakref.ReferenceType[AsyncCommits]) -> Callable[[], None]:
             names = "; ".join(p.what for p in flying)
             print(f"ckstore: waiting for {len(flying)} checkpoint commit(s) still in flight: {names}", file=sys.stderr)
         for p in flying:
-            p._done.wait()
+            p.join()
         with commits._lock:
-            failed = [(p, e) for p in commits._pending if (e := p._unreported()) is not None]
+            failed = [(p, e) for p in commits._pending if (e := p.unreported()) is not None]
         for p, e in failed:
             print(f"ckstore: the asynchronous {p.what} failed; nothing of it became visible: {e}", file=sys.stderr)
 

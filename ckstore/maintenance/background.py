@@ -21,51 +21,19 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._threads import Outcome
 from .gc import GcReport
 
 __all__ = ["BackgroundGc", "PendingGc"]
 
 
-class PendingGc:
-    """A gc running in the background. ``wait()`` returns its report or raises its error."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what  # "gc of every run", "gc of run 'exp'"
-        #: from the request to the end of the collection (None while in flight)
-        self.seconds: float | None = None
-        self._requested = time.perf_counter()
-        self._done = threading.Event()
-        self._report: GcReport | None = None
-        self._error: BaseException | None = None
-        self._reported = False
-
-    def __repr__(self) -> str:
-        state = "in flight" if not self.done() else ("failed" if self._error else "done")
-        return f"PendingGc({self.what}, {state})"
-
-    def done(self) -> bool:
-        """Whether the collection has finished (successfully or not); never blocks."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> GcReport:
-        """Wait for the collection; its report, or its error raised here."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.what} is still in flight after {timeout}s")
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        assert self._report is not None
-        return self._report
-
-    def _finish(self, report: GcReport | None, error: BaseException | None) -> None:
-        self._report, self._error = report, error
-        self.seconds = time.perf_counter() - self._requested
-        self._done.set()
+class PendingGc(Outcome[GcReport]):
+    """A gc running in the background. ``wait()`` returns its report or raises its error;
+    ``seconds`` runs from the request to the end of the collection."""
 
 
 class BackgroundGc:
@@ -106,9 +74,9 @@ class BackgroundGc:
             try:
                 report = self._collect(**kwargs)
             except BaseException as e:  # raised by wait(), or by the store's next call
-                pending._finish(None, e)
+                pending.finish(None, e)
             else:
-                pending._finish(report, None)
+                pending.finish(report, None)
 
     def _forget_if_forked(self) -> None:
         """In a forked child (a DataLoader worker, say) the parent's collections, thread and lock
@@ -125,20 +93,19 @@ class BackgroundGc:
         """Raise the first failure of an earlier collection not yet raised anywhere."""
         self._forget_if_forked()
         with self._lock:
-            failed = [p for p in self._pending if p.done() and p._error is not None and not p._reported]
+            failed = [(p, e) for p in self._pending if (e := p.unreported()) is not None]
             self._pending = [p for p in self._pending if not p.done()]
         if failed:
-            for p in failed:
-                p._reported = True
-            e = failed[0]._error
-            assert e is not None
-            e.add_note(f"(raised by a later call: this background {failed[0].what} failed)")
+            p, e = failed[0]
+            for q, _ in failed:
+                q.mark_reported()
+            e.add_note(f"(raised by a later call: this background {p.what} failed)")
             raise e
 
     def wait(self) -> None:
         """Wait for every collection requested; raise the first failure not yet raised."""
         for p in self.in_flight():
-            p._done.wait()
+            p.join()
         self.raise_failed()
 
 
