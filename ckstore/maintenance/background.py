@@ -8,9 +8,9 @@ so the commits that follow go on meanwhile; most of a collection is deleting fil
 a millisecond per pack) and listing the store, time the training thread no longer waits for.
 
 Requests run one after another, in the order made, on one thread per store (started when a
-request comes and gone when none is left; a ``progress`` callback is called on it). A request made while an identical one waits to start
-(same arguments) returns that one: it reads the catalog when it starts, so it drops whatever the
-later request would have. Errors never vanish: a failed collection raises from its
+request comes and gone when none is left; a ``progress`` callback is called on it). A request
+made while an identical one waits to start (same arguments) returns that one: it reads the
+catalog when it starts, so it drops whatever the later request would have. Errors never vanish: a failed collection raises from its
 :meth:`PendingGc.wait`, and, until raised once, from the store's next ``gc``, ``wait`` and
 ``close``. The thread is not a daemon: at interpreter exit Python waits for the collection
 running, and an interrupted one (a killed process) leaves what any interrupted gc leaves, objects
