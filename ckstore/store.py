@@ -555,6 +555,10 @@ class Store:
             _gc.check_policy(policy)
         if run is not None:
             check_name("run", run)
+        if repack and min_dead is not None:
+            from .maintenance.repack import check_min_dead
+
+            check_min_dead(min_dead)
         kwargs: dict[str, Any] = dict(
             policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress, repack=repack, min_dead=min_dead
         )

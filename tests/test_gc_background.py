@@ -107,6 +107,8 @@ def test_bad_arguments_are_refused_in_the_call(store: ckstore.Store) -> None:
         store.gc("keep-last-2", blocking=False)  # type: ignore[call-overload]
     with pytest.raises(ckstore.CkstoreError, match="run"):
         store.gc(run="no/such run", blocking=False)
+    with pytest.raises(ValueError, match="min_dead must be a fraction"):
+        store.gc(repack=True, min_dead=1.5, blocking=False)
     assert store._gcs is None  # nothing was queued
     store.close()
 

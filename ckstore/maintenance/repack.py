@@ -36,11 +36,17 @@ from ..format import hashing
 from ..format.codec import Frame
 from ..format.pack import PackedChunk, PackWriter, new_pack_key
 
-__all__ = ["DEFAULT_MIN_DEAD", "RepackReport", "repack"]
+__all__ = ["DEFAULT_MIN_DEAD", "RepackReport", "check_min_dead", "repack"]
 
 #: Rewrite a pack once more than this fraction of its bytes is dead (see docs/benchmarks.md,
 #: "Repacking": lower thresholds rewrite many packs for little gain).
 DEFAULT_MIN_DEAD = 0.5
+
+
+def check_min_dead(min_dead: object) -> None:
+    """Refuse a ``min_dead`` that is not a fraction in [0, 1)."""
+    if isinstance(min_dead, bool) or not isinstance(min_dead, (int, float)) or not 0.0 <= min_dead < 1.0:
+        raise ValueError(f"min_dead must be a fraction in [0, 1), got {min_dead!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +76,7 @@ def repack(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> RepackReport:
     """Rewrite the packs whose dead fraction exceeds ``min_dead``; see the module docstring."""
-    if not 0.0 <= min_dead < 1.0:
-        raise ValueError(f"min_dead must be a fraction in [0, 1), got {min_dead!r}")
+    check_min_dead(min_dead)
     t0 = time.perf_counter()
     cands = catalog.repack_candidates(min_dead)
     groups: list[list[RepackCandidate]] = []
