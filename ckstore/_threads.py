@@ -30,7 +30,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Outcome", "TaskGroup", "Ticking", "every"]
+__all__ = ["Outcome", "Outcomes", "TaskGroup", "Ticking", "every"]
 
 T = TypeVar("T")
 
@@ -128,6 +128,47 @@ class Outcome(Generic[T]):
 
     def mark_reported(self) -> None:
         self._reported = True
+
+
+class Outcomes(Generic[T]):
+    """The outcomes an owner's background work owes its caller: those in flight, and failures
+    no one raised yet. ``note`` (with ``{what}``) is added to a failure raised by a later call."""
+
+    def __init__(self, note: str) -> None:
+        self._note = note
+        self._lock = threading.Lock()
+        self._items: list[Outcome[T]] = []
+
+    def add(self, outcome: Outcome[T]) -> None:
+        with self._lock:
+            self._items.append(outcome)
+
+    def in_flight(self) -> list[Outcome[T]]:
+        with self._lock:
+            return [o for o in self._items if not o.done()]
+
+    def failed(self) -> list[tuple[Outcome[T], BaseException]]:
+        """Failures no one raised yet (left so)."""
+        with self._lock:
+            return [(o, e) for o in self._items if (e := o.unreported()) is not None]
+
+    def raise_failed(self) -> None:
+        """Raise the first failure no one raised yet; the others count as raised with it."""
+        with self._lock:
+            failed = [(o, e) for o in self._items if (e := o.unreported()) is not None]
+            self._items = [o for o in self._items if not o.done()]
+        if failed:
+            o, e = failed[0]
+            for q, _ in failed:
+                q.mark_reported()
+            e.add_note(self._note.format(what=o.what))
+            raise e
+
+    def wait(self) -> None:
+        """Wait for every outcome in flight; raise the first failure no one raised yet."""
+        for o in self.in_flight():
+            o.join()
+        self.raise_failed()
 
 
 class Ticking:

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._threads import Outcome
+from .._threads import Outcome, Outcomes
 from ..errors import CkstoreError
 from ..format.tensorio import StagingBuffer
 from ..records import Checkpoint
@@ -65,7 +65,9 @@ class AsyncCommits:
             self._slots.put(StagingBuffer())
         self._buffers: list[StagingBuffer] = []
         self._jobs: queue.SimpleQueue[tuple[StagedCommit, StagingBuffer, PendingCommit] | None] = queue.SimpleQueue()
-        self._pending: list[PendingCommit] = []
+        self._pending: Outcomes[Checkpoint] = Outcomes(
+            "(raised by a later call: this asynchronous {what} failed; nothing of it became visible)"
+        )
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._groups: dict[Any, Any] = {}  # the checkpoint's own gloo group, per training group
@@ -76,27 +78,16 @@ class AsyncCommits:
         """Host memory the staging buffers hold now."""
         return sum(b.nbytes for b in self._buffers)
 
-    def in_flight(self) -> list[PendingCommit]:
-        with self._lock:
-            return [p for p in self._pending if not p.done()]
+    def in_flight(self) -> list[Outcome[Checkpoint]]:
+        return self._pending.in_flight()
 
     def raise_failed(self) -> None:
         """Raise the first failure of an earlier commit not yet raised anywhere."""
-        with self._lock:
-            failed = [(p, e) for p in self._pending if (e := p.unreported()) is not None]
-            self._pending = [p for p in self._pending if not p.done()]
-        if failed:
-            p, e = failed[0]
-            for q, _ in failed:
-                q.mark_reported()
-            e.add_note(f"(raised by a later call: this asynchronous {p.what} failed; nothing of it became visible)")
-            raise e
+        self._pending.raise_failed()
 
     def wait(self) -> None:
         """Wait for every commit in flight; raise the first failure not yet raised."""
-        for p in self.in_flight():
-            p.join()
-        self.raise_failed()
+        self._pending.wait()
 
     def background_group(self, process_group: Any) -> Any:
         """The gloo group the background phases of a collective commit over ``process_group``
@@ -132,8 +123,8 @@ class AsyncCommits:
             self._slots.put(buf)
             raise
         pending = PendingCommit(job.what, time.perf_counter() - t0)
+        self._pending.add(pending)
         with self._lock:
-            self._pending.append(pending)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckstore-async-commit", daemon=True)
                 self._thread.start()
@@ -197,9 +188,7 @@ def _exit_hook(ref: weakref.ReferenceType[AsyncCommits]) -> Callable[[], None]:
             print(f"ckstore: waiting for {len(flying)} checkpoint commit(s) still in flight: {names}", file=sys.stderr)
         for p in flying:
             p.join()
-        with commits._lock:
-            failed = [(p, e) for p in commits._pending if (e := p.unreported()) is not None]
-        for p, e in failed:
+        for p, e in commits._pending.failed():
             print(f"ckstore: the asynchronous {p.what} failed; nothing of it became visible: {e}", file=sys.stderr)
 
     return at_exit

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._threads import Outcome
+from .._threads import Outcome, Outcomes
 from .gc import GcReport
 
 __all__ = ["BackgroundGc", "PendingGc"]
@@ -44,7 +44,8 @@ class BackgroundGc:
         self._name = name
         self._lock = threading.Lock()
         self._queue: deque[tuple[tuple[Any, ...], dict[str, Any], PendingGc]] = deque()
-        self._pending: list[PendingGc] = []  # requested, and failed ones not yet raised
+        # requested, and failed ones not yet raised
+        self._pending: Outcomes[GcReport] = Outcomes("(raised by a later call: this background {what} failed)")
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
@@ -58,7 +59,7 @@ class BackgroundGc:
                 return self._queue[-1][2]
             pending = PendingGc(what)
             self._queue.append((key, kwargs, pending))
-            self._pending.append(pending)
+            self._pending.add(pending)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"ckstore-gc {self._name}")
                 self._thread.start()
@@ -84,29 +85,15 @@ class BackgroundGc:
         if os.getpid() != self._pid:
             self.__init__(self._collect, self._name)  # type: ignore[misc]
 
-    def in_flight(self) -> list[PendingGc]:
-        self._forget_if_forked()
-        with self._lock:
-            return [p for p in self._pending if not p.done()]
-
     def raise_failed(self) -> None:
         """Raise the first failure of an earlier collection not yet raised anywhere."""
         self._forget_if_forked()
-        with self._lock:
-            failed = [(p, e) for p in self._pending if (e := p.unreported()) is not None]
-            self._pending = [p for p in self._pending if not p.done()]
-        if failed:
-            p, e = failed[0]
-            for q, _ in failed:
-                q.mark_reported()
-            e.add_note(f"(raised by a later call: this background {p.what} failed)")
-            raise e
+        self._pending.raise_failed()
 
     def wait(self) -> None:
         """Wait for every collection requested; raise the first failure not yet raised."""
-        for p in self.in_flight():
-            p.join()
-        self.raise_failed()
+        self._forget_if_forked()
+        self._pending.wait()
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
