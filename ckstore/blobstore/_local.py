@@ -263,7 +263,7 @@ class LocalBlobStore(BlobStore):
                     )
                 checked.add(folder)
             paths.append(path)
-        if len(paths) < 4:
+        if len(paths) < _UNLINK_THREADS:  # a few: not worth a thread hand-off
             for path in paths:
                 _unlink(path)
             return

@@ -4,8 +4,8 @@ Chunks are fetched with coalesced range reads (one request for neighbouring chun
 in parallel threads (from a local store each into a buffer the thread keeps for the checkout);
 zstd and xxhash release the GIL. Each chunk is decoded straight into the target tensor's memory
 when the plan wants the whole chunk there, verified against its digest, and copied to any other
-place that needs the same bytes. Staging buffers (for pieces that are
-not contiguous in the target) live only until their box copies are done.
+place that needs the same bytes. Staging buffers (for pieces that are not contiguous in the
+target) live only until their box copies are done.
 """
 
 from __future__ import annotations
