@@ -9,12 +9,15 @@ over the full catalog; then gc applies "keep the last 2, the best 3 by val_loss,
 every 50,000 steps, and the newest epoch checkpoint" to every run; the timings are of
 that ``Store.gc`` (dry run = the same transaction rolled back), of a second gc with nothing to do
 (the steady-state cost of the sweep's anti-joins), and of ``Store.du`` over the full catalog.
+``--delta-chain 0,4`` runs it all twice, the second time with the window chunks deltas of the
+chunks one window earlier, in chains of up to 4 (what gc and du walk down).
 
 End to end: 40 real commits of an 8 MiB state (a quarter of it changes per step) into a local
 store, then ``gc`` keeping the last 2, then ``fsck --deep``.
 
     PYTHONPATH=. python benchmarks/bench_gc.py
     PYTHONPATH=. python benchmarks/bench_gc.py --backends sqlite --checkpoints 200
+    PYTHONPATH=. python benchmarks/bench_gc.py --delta-chain 0,4 --no-e2e
     PYTHONPATH=. python benchmarks/bench_gc.py --pg postgresql+psycopg://postgres@127.0.0.1:5432/
 
 PostgreSQL runs in a database of its own, created and dropped by the benchmark.
@@ -53,8 +56,13 @@ def _seq(dialect: str, n: int, alias: str = "s") -> str:
     return f"(WITH RECURSIVE q(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM q WHERE i < {n - 1}) SELECT i FROM q) AS {alias}"
 
 
-def populate(store: ckstore.Store, checkpoints: int) -> dict[str, int]:
-    """Fill the catalog with set-based inserts; returns the row counts."""
+def populate(store: ckstore.Store, checkpoints: int, delta_chain: int = 0) -> dict[str, int]:
+    """Fill the catalog with set-based inserts; returns the row counts.
+
+    With ``delta_chain``, the chunks of a window are deltas (codec 3) of the chunks ``SLIDE``
+    before them (the same layer one window earlier), in chains of up to ``delta_chain``:
+    generation g of the windows is at depth ``g % (delta_chain + 1)``, so every
+    ``delta_chain + 1``-th generation is whole again, as a writer's bounded chains are."""
     eng = store.catalog.engine
     d = eng.dialect.name
     n_chunks = SHARED + (checkpoints - 1) * SLIDE + WINDOW
@@ -105,17 +113,29 @@ def populate(store: ckstore.Store, checkpoints: int) -> dict[str, int]:
                         f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))"
                     )
                 )
+        if delta_chain:
+            depth = f"(((id - {SHARED} - 1) / {SLIDE}) % {delta_chain + 1})"
+            conn.execute(text(
+                f"UPDATE chunks SET codec = 3, chain = {depth}, "
+                f"base = (SELECT b.digest FROM chunks b WHERE b.id = chunks.id - {SLIDE}) "
+                f"WHERE id > {SHARED + SLIDE} AND {depth} > 0"
+            ))  # fmt: skip
     with eng.begin() as conn:
         conn.execute(text("ANALYZE"))
         counts = {
             t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar_one())
             for t in ("checkpoints", "chunks", "chunk_refs", "packs")
         }
+        counts["deltas"] = int(
+            conn.execute(text("SELECT count(*) FROM chunks WHERE base IS NOT NULL")).scalar_one()
+        )
     counts["fill_s"] = round(time.perf_counter() - t0, 1)  # type: ignore[assignment]
     return counts
 
 
-def bench_catalog(backend: str, checkpoints: int, pg_base: str) -> dict[str, Any]:
+def bench_catalog(
+    backend: str, checkpoints: int, pg_base: str, delta_chain: int = 0
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="ckgc-"))
     dbname = None
     admin = None
@@ -132,8 +152,8 @@ def bench_catalog(backend: str, checkpoints: int, pg_base: str) -> dict[str, Any
         store = ckstore.open(
             tmp / "store", catalog=catalog, chunk_size=64 * 1024, pack_size=16 * 2**20
         )
-        counts = populate(store, checkpoints)
-        out: dict[str, Any] = {"backend": backend, **counts}
+        counts = populate(store, checkpoints, delta_chain)
+        out: dict[str, Any] = {"backend": backend, "delta_chain": delta_chain, **counts}
         t = time.perf_counter()
         store.du()  # over the full catalog
         out["du_s"] = time.perf_counter() - t
@@ -214,14 +234,24 @@ def main() -> None:
         default="postgresql+psycopg://postgres@127.0.0.1:5432/",
         help="server URL, no database",
     )
+    ap.add_argument(
+        "--delta-chain",
+        default="0",
+        help="comma-separated chain lengths of delta chunks in the catalog (0: none), a row each",
+    )
     ap.add_argument("--no-e2e", action="store_true")
     args = ap.parse_args()
     if args.checkpoints < RUNS or args.checkpoints % RUNS:
         ap.error(
             f"--checkpoints must be a positive multiple of {RUNS} (the checkpoints are spread evenly over {RUNS} runs)"
         )
-    rows = [bench_catalog(b, args.checkpoints, args.pg) for b in args.backends.split(",") if b]
-    cols = ["backend", "checkpoints", "chunk_refs", "chunks", "packs", "fill_s", "keep_all_gc_s", "dry_run_s", "gc_s", "dropped",
+    rows = [
+        bench_catalog(b, args.checkpoints, args.pg, int(chain))
+        for b in args.backends.split(",")
+        if b
+        for chain in args.delta_chain.split(",")
+    ]
+    cols = ["backend", "delta_chain", "checkpoints", "chunk_refs", "chunks", "deltas", "packs", "fill_s", "keep_all_gc_s", "dry_run_s", "gc_s", "dropped",
             "chunks_freed", "packs_trashed", "refs_left", "second_gc_s", "du_s"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
-from sqlalchemy import ColumnElement, Connection, and_, bindparam, exists, select
+from sqlalchemy import ColumnElement, Connection, and_, bindparam, exists, literal, select
 
+from ..config import MAX_DELTA_CHAIN
 from ..errors import NotFoundError
 from ._access import execute
 from ._schema import (
@@ -29,7 +30,7 @@ __all__ = [
     "CHECKPOINTS", "CHUNKS", "CHUNK_REFS", "ENTRIES", "METRICS", "PACKS", "RUNS", "TAGS", "TRASH", "RUN_ID",
     "RUN_ORIGIN",
     "utcnow", "aware", "batches", "run_id", "no_such_run", "unreferenced_chunk", "owned_by_live_commit",
-    "needed_bases", "bases_held_by_checkpoint",
+    "needed_bases", "bases_reached",
     "ChunkRow", "NewChunk", "ChunkLocation", "Pending",
 ]  # fmt: skip
 
@@ -99,23 +100,28 @@ def needed_bases() -> Any:
     return first.union(deeper)
 
 
-def bases_held_by_checkpoint() -> Any:
-    """``(checkpoint_id, digest)`` of every base a checkpoint's referenced deltas decode through,
-    down their chains: what else a checkpoint holds in the store besides the chunks it
-    references (a recursive CTE; ``UNION`` ends a cycle a damaged catalog might hold)."""
-    below = CHUNKS.alias("below")
+def bases_reached() -> Any:
+    """``(chunk_id, base_id)``: each delta chunk and every base it decodes through, down its
+    chain (rows whose ``base_id`` is NULL start the walk; skip them); what a checkpoint holds in
+    the store besides the chunks it references is the bases its referenced chunks reach. Walked
+    once per delta chunk, not once per checkpoint referencing it (a recursive CTE, its rows left
+    undeduplicated: it ends at :data:`~ckstore.config.MAX_DELTA_CHAIN` bases, the longest chain a
+    reader follows, which also ends a cycle a damaged catalog might hold)."""
+    base = CHUNKS.alias("base")
     first = (
-        select(CHUNK_REFS.c.checkpoint_id, CHUNKS.c.base.label("digest"))
-        .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id))
+        select(
+            CHUNKS.c.id.label("chunk_id"), literal(None, CHUNKS.c.id.type).label("base_id"),
+            CHUNKS.c.base.label("next"), literal(0).label("depth"),
+        )
         .where(CHUNKS.c.base.is_not(None))
-        .cte("bases_held", recursive=True)
-    )
+        .cte("bases_reached", recursive=True)
+    )  # fmt: skip
     deeper = (
-        select(first.c.checkpoint_id, below.c.base)
-        .join(first, below.c.digest == first.c.digest)
-        .where(below.c.base.is_not(None))
+        select(first.c.chunk_id, base.c.id, base.c.base, first.c.depth + 1)
+        .join(first, base.c.digest == first.c.next)
+        .where(first.c.next.is_not(None), first.c.depth < MAX_DELTA_CHAIN)
     )
-    return first.union(deeper)
+    return first.union_all(deeper)
 
 
 def owned_by_live_commit() -> ColumnElement[bool]:

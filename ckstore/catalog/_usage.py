@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import exists, func, select, text
+from sqlalchemy import case, exists, func, select, text, union_all
 
 from ._queries import QueriesMixin
 from ._rows import (
@@ -21,7 +21,7 @@ from ._rows import (
     CHUNKS,
     PACKS,
     RUNS,
-    bases_held_by_checkpoint,
+    bases_reached,
     needed_bases,
     run_id,
     unreferenced_chunk,
@@ -73,94 +73,91 @@ class UsageMixin(QueriesMixin):
                 conn.execute(text("SET LOCAL work_mem = '64MB'"))
             if run is not None:
                 run_id(conn, run)
-            # the chunks each checkpoint holds: those it references, and with delta chunks the bases
-            # they decode through (a store without deltas skips the recursive query)
+            # the first and last checkpoint and run holding each chunk (any status: a pending
+            # commit holds too): a chunk only one checkpoint (run) holds is freed with it
+            referencing = (
+                select(
+                    CHUNK_REFS.c.chunk_id,
+                    func.min(CHUNK_REFS.c.checkpoint_id).label("first"),
+                    func.max(CHUNK_REFS.c.checkpoint_id).label("last"),
+                    func.min(CHECKPOINTS.c.run_id).label("first_run"),
+                    func.max(CHECKPOINTS.c.run_id).label("last_run"),
+                )
+                .select_from(CHUNK_REFS.join(CHECKPOINTS, CHECKPOINTS.c.id == CHUNK_REFS.c.checkpoint_id))
+                .group_by(CHUNK_REFS.c.chunk_id)
+            )
             has_deltas = conn.execute(select(CHUNKS.c.id).where(CHUNKS.c.base.is_not(None)).limit(1)).first()
-            if has_deltas is None:
-                held = select(CHUNK_REFS.c.checkpoint_id, CHUNK_REFS.c.chunk_id).subquery()
+            if has_deltas is None:  # a chunk is held by the checkpoints referencing it
+                holders = referencing.subquery()
             else:
-                needs = bases_held_by_checkpoint()
-                held = (
-                    select(CHUNK_REFS.c.checkpoint_id, CHUNK_REFS.c.chunk_id)
-                    .union(
-                        select(needs.c.checkpoint_id, CHUNKS.c.id).join(CHUNKS, CHUNKS.c.digest == needs.c.digest)
+                # ... and by those referencing a delta that decodes through it: each delta's
+                # checkpoints passed down its chain (per chunk, not per reference: a delta
+                # referenced by a thousand checkpoints walks its chain once)
+                direct = referencing.cte("referencing")
+                reached = bases_reached()
+                ranges = (direct.c.first, direct.c.last, direct.c.first_run, direct.c.last_run)
+                every = union_all(
+                    select(direct.c.chunk_id, *ranges),
+                    select(reached.c.base_id, *ranges)
+                    .select_from(direct.join(reached, reached.c.chunk_id == direct.c.chunk_id))
+                    .where(reached.c.base_id.is_not(None)),
+                ).subquery()
+                holders = (
+                    select(
+                        every.c.chunk_id,
+                        func.min(every.c.first).label("first"),
+                        func.max(every.c.last).label("last"),
+                        func.min(every.c.first_run).label("first_run"),
+                        func.max(every.c.last_run).label("last_run"),
                     )
+                    .group_by(every.c.chunk_id)
                     .subquery()
                 )
-            # how many checkpoints and runs hold each chunk (any status: a pending commit holds too)
-            holders = (
+            only_checkpoint = case((holders.c.first == holders.c.last, holders.c.first))
+            only_run = case((holders.c.first_run == holders.c.last_run, holders.c.first_run))
+            # one pass over what is held: the bytes of each checkpoint and run holding a chunk alone
+            solo: dict[int, int] = {}
+            run_solo: dict[int, int] = {}
+            for ckpt, rid, nbytes in conn.execute(
+                select(only_checkpoint, only_run, func.sum(CHUNKS.c.length))
+                .select_from(holders.join(CHUNKS, CHUNKS.c.id == holders.c.chunk_id))
+                .group_by(only_checkpoint, only_run)
+            ):
+                if ckpt is not None:
+                    solo[int(ckpt)] = solo.get(int(ckpt), 0) + int(nbytes or 0)
+                if rid is not None:
+                    run_solo[int(rid)] = run_solo.get(int(rid), 0) + int(nbytes or 0)
+
+            # -- per checkpoint: the chunks it references, and what it alone holds
+            referenced = (
                 select(
-                    held.c.chunk_id,
-                    func.count().label("n"),
-                    func.min(CHECKPOINTS.c.run_id).label("run_id"),
-                    func.max(CHECKPOINTS.c.run_id).label("last_run_id"),
+                    CHUNK_REFS.c.checkpoint_id,
+                    func.sum(CHUNKS.c.raw_size).label("raw"),
+                    func.sum(CHUNKS.c.length).label("stored"),
                 )
-                .select_from(held.join(CHECKPOINTS, CHECKPOINTS.c.id == held.c.checkpoint_id))
-                .group_by(held.c.chunk_id)
+                .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id))
+                .group_by(CHUNK_REFS.c.checkpoint_id)
                 .subquery()
             )
-
-            # -- per checkpoint
-            if has_deltas is None:  # what a checkpoint holds is what it references: one pass
-                refs = (
-                    select(
-                        CHUNK_REFS.c.checkpoint_id,
-                        func.sum(CHUNKS.c.raw_size).label("raw"),
-                        func.sum(CHUNKS.c.length).label("stored"),
-                        func.sum(CHUNKS.c.length).filter(holders.c.n == 1).label("solo"),
-                    )
-                    .select_from(
-                        CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(
-                            holders, holders.c.chunk_id == CHUNK_REFS.c.chunk_id
-                        )
-                    )
-                    .group_by(CHUNK_REFS.c.checkpoint_id)
-                    .subquery()
-                )
-                solo_col = refs.c.solo
-                joined = CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id).outerjoin(
-                    refs, refs.c.checkpoint_id == CHECKPOINTS.c.id
-                )
-            else:
-                refs = (
-                    select(
-                        CHUNK_REFS.c.checkpoint_id,
-                        func.sum(CHUNKS.c.raw_size).label("raw"),
-                        func.sum(CHUNKS.c.length).label("stored"),
-                    )
-                    .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id))
-                    .group_by(CHUNK_REFS.c.checkpoint_id)
-                    .subquery()
-                )
-                alone = (
-                    select(held.c.checkpoint_id, func.sum(CHUNKS.c.length).label("solo"))
-                    .select_from(
-                        held.join(holders, holders.c.chunk_id == held.c.chunk_id).join(
-                            CHUNKS, CHUNKS.c.id == held.c.chunk_id
-                        )
-                    )
-                    .where(holders.c.n == 1)
-                    .group_by(held.c.checkpoint_id)
-                    .subquery()
-                )
-                solo_col = alone.c.solo
-                joined = (
-                    CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
-                    .outerjoin(refs, refs.c.checkpoint_id == CHECKPOINTS.c.id)
-                    .outerjoin(alone, alone.c.checkpoint_id == CHECKPOINTS.c.id)
-                )
             q = (
-                select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.logical_bytes, refs.c.raw, refs.c.stored, solo_col)
-                .select_from(joined)
+                select(
+                    CHECKPOINTS.c.id, RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.logical_bytes, referenced.c.raw,
+                    referenced.c.stored,
+                )
+                .select_from(
+                    CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id).outerjoin(
+                        referenced, referenced.c.checkpoint_id == CHECKPOINTS.c.id
+                    )
+                )
                 .where(committed)
                 .order_by(RUNS.c.id, CHECKPOINTS.c.step)
-            )
+            )  # fmt: skip
             if run is not None:
                 q = q.where(RUNS.c.name == run)
             ckpts = tuple(
                 Usage(
                     f"{r.name}@{r.step}", 1, int(r.logical_bytes or 0), int(r.raw or 0), int(r.stored or 0),
-                    int(r.solo or 0),
+                    solo.get(r.id, 0),
                 )
                 for r in conn.execute(q)
             )  # fmt: skip
@@ -179,15 +176,6 @@ class UsageMixin(QueriesMixin):
                     select(run_chunks.c.run_id, func.sum(CHUNKS.c.raw_size), func.sum(CHUNKS.c.length))
                     .select_from(run_chunks.join(CHUNKS, CHUNKS.c.id == run_chunks.c.chunk_id))
                     .group_by(run_chunks.c.run_id)
-                )
-            }
-            run_solo = {
-                rid: int(b or 0)
-                for rid, b in conn.execute(
-                    select(holders.c.run_id, func.sum(CHUNKS.c.length))
-                    .select_from(holders.join(CHUNKS, CHUNKS.c.id == holders.c.chunk_id))
-                    .where(holders.c.run_id == holders.c.last_run_id)
-                    .group_by(holders.c.run_id)
                 )
             }
             counts = (
