@@ -15,7 +15,9 @@ rounds.
 
 States: ``demo``, the demo trainer's state (``ckstore demo``'s GRU and AdamW: 4.5 MiB in 46
 tensors); ``4mib``, four fp32 matrices of 1 MiB; ``tiny``, 20,000 fp32 tensors of 4 elements
-(10% of them changed before each commit); ``minilm`` and ``minilm-bf16``, the real
+(10% of them changed before each commit); ``adam``, ``torch.optim.Adam``'s state dict of
+bench_core's 1,200-layer MLP (7,200 tensors, 19.6 MiB; every tensor changed before each commit,
+a third as many commits); ``minilm`` and ``minilm-bf16``, the real
 all-MiniLM-L6-v2 weights in fp32 (87 MiB) and bf16 (43 MiB), a third as many commits.
 Checkouts read what was just written: from the page cache.
 """
@@ -32,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STATES = ("demo", "4mib", "tiny", "minilm", "minilm-bf16")
+STATES = ("demo", "4mib", "tiny", "adam", "minilm", "minilm-bf16")
 
 CHILD = r"""
 import json, statistics, sys, tempfile, time
@@ -61,6 +63,22 @@ elif what in ("minilm", "minilm-bf16"):
         weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
     params = [w for w in weights.values() if w.is_floating_point()]
     state = lambda: {"m": weights}
+elif what == "adam":
+    from torch import nn
+
+    layers = []
+    for _ in range(600):
+        layers += [nn.Linear(64, 64), nn.LayerNorm(64)]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    adam = opt.state_dict()
+    params = [t for s in adam["state"].values() for t in s.values() if t.dim()]
+    state = lambda: {"optim_states": adam}
 else:
     tiny = [torch.randn(4) for _ in range(20000)]
     params = tiny[:2000]
@@ -147,7 +165,9 @@ def run(
         for state in states:
             for rev in order:
                 n = max(
-                    3, args.commits // {"tiny": 10, "minilm": 3, "minilm-bf16": 3}.get(state, 1)
+                    3,
+                    args.commits
+                    // {"tiny": 10, "adam": 3, "minilm": 3, "minilm-bf16": 3}.get(state, 1),
                 )
                 env = {**os.environ, "PYTHONPATH": str(trees[rev])}
                 out = subprocess.run(

