@@ -131,6 +131,9 @@ def test_importtime_of_runs_lists_no_torch(tmp_path: Path) -> None:
     assert "ckstore.catalog" in imported and "sqlalchemy" in imported  # the list is complete
     tops = {name.split(".")[0] for name in imported}
     assert not tops & {"torch", "numpy", "alembic"}, sorted(tops & {"torch", "numpy", "alembic"})
+    # a SQLite catalog loads SQLite's dialect, not PostgreSQL's (45 ms: every DBAPI module it has)
+    assert "sqlalchemy.dialects.sqlite" in imported
+    assert not {m for m in imported if m.startswith("sqlalchemy.dialects.postgresql")}
 
 
 def test_import_ckstore_loads_neither_torch_nor_the_catalog() -> None:

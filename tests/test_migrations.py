@@ -37,6 +37,18 @@ def test_migrations_build_the_same_schema_as_the_models(tmp_path: Path) -> None:
     assert catalog_tools.schema_differences(db) == []
 
 
+def test_the_delta_index_is_partial_on_a_fresh_and_a_migrated_catalog(tmp_path: Path) -> None:
+    """``ix_chunks_base`` holds the delta rows alone, whether the models or the migrations built it
+    (the models write its WHERE clause themselves; autogenerate's comparison does not look at it)."""
+    fresh = tmp_path / "fresh"
+    ckstore.open(fresh).close()
+    migrated = tmp_path / "m.db"
+    command.upgrade(_cfg(migrated), "head")
+    for db in (fresh / "catalog.db", migrated):
+        sql = catalog_tools.scalar(db, "SELECT sql FROM sqlite_master WHERE name = 'ix_chunks_base'")
+        assert " ".join(sql.split()).endswith("(base) WHERE base IS NOT NULL"), sql
+
+
 def test_outdated_catalog_names_the_upgrade_command(store_path: Path) -> None:
     s = ckstore.open(store_path, run="r")
     s.commit(1, {0: {"m": {"w": torch.ones(2)}}})

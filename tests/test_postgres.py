@@ -17,6 +17,7 @@ from conformance.store import CHUNK, PACK
 from helpers import assert_clean, assert_same
 from pgproxy import PgProxy
 from services import PrivatePostgres
+from sqlalchemy import text
 
 import ckstore
 from ckstore.catalog import Catalog, NewChunk, Owner
@@ -31,6 +32,18 @@ def _open(location: Path | str, catalog: str, **kw: Any) -> ckstore.Store:
 
 
 # -- migrations ---------------------------------------------------------------------------------
+_DELTA_INDEX = text(
+    "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_chunks_base' AND schemaname = current_schema()"
+)
+
+
+def test_a_fresh_catalog_has_the_partial_delta_index(tmp_path: Path, pg_catalog_url: str) -> None:
+    """The models write the delta index's WHERE clause themselves (no PostgreSQL keyword)."""
+    with _open(tmp_path / "store", pg_catalog_url) as store, store.catalog.engine.connect() as conn:
+        fresh = conn.execute(_DELTA_INDEX).scalar()
+    assert fresh is not None and fresh.endswith("(base) WHERE (base IS NOT NULL)"), fresh
+
+
 def test_migrations_build_exactly_the_models(tmp_path: Path, pg_catalog_url: str) -> None:
     """`ckstore db upgrade` runs every migration script on an empty PostgreSQL catalog, and
     what they build is exactly what the models describe."""
@@ -43,7 +56,10 @@ def test_migrations_build_exactly_the_models(tmp_path: Path, pg_catalog_url: str
     rev, head = bare.revisions()
     assert rev == head and f"upgraded from revision (none) to {head}" in out.output
     assert catalog_tools.schema_differences(bare) == []
+    with bare.engine.connect() as conn:  # the delta index is partial, as the models' is (below)
+        migrated = conn.execute(_DELTA_INDEX).scalar()
     bare.close()
+    assert migrated is not None and migrated.endswith("(base) WHERE (base IS NOT NULL)"), migrated
     out = runner.invoke(main, [*args, "current"])
     assert f"catalog revision {head}" in out.output
     out = runner.invoke(main, [*args, "upgrade"])

@@ -6,6 +6,8 @@ new migration there (and a stored catalog of the old version under ``tests/data`
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -20,8 +22,9 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
-    text,
 )
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import CreateIndex
 
 __all__ = [
     "Base", "METADATA", "RUNS", "CHECKPOINTS", "ENTRIES", "PACKS", "CHUNKS", "CHUNK_REFS", "METRICS",
@@ -123,7 +126,7 @@ CHUNKS = Table(
     Column("base", LargeBinary(16), nullable=True),
     Column("chain", Integer, nullable=True),
     # the deltas alone, for gc's walk down their chains (most rows are no deltas)
-    Index("ix_chunks_base", "base", sqlite_where=text("base IS NOT NULL"), postgresql_where=text("base IS NOT NULL")),
+    Index("ix_chunks_base", "base", info={"where": "base IS NOT NULL"}),
 )
 
 CHUNK_REFS = Table(
@@ -159,3 +162,14 @@ TRASH = Table(
     Column("key", String(255), primary_key=True),
     Column("created_at", _tz(), nullable=False),
 )
+
+
+@compiles(CreateIndex)
+def _partial_index(create: CreateIndex, compiler: Any, **kw: Any) -> str:
+    """``CREATE INDEX`` with the WHERE clause of a partial index (``info={"where": …}``), the
+    same on SQLite and PostgreSQL. (Their own ``sqlite_where`` and ``postgresql_where``
+    keywords would load the PostgreSQL dialect with this module: 45 ms of every command's
+    start-up on a SQLite catalog.)"""
+    sql = compiler.visit_create_index(create, **kw)
+    where = create.element.info.get("where")
+    return f"{sql} WHERE {where}" if where else str(sql)
