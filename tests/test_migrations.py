@@ -39,7 +39,7 @@ def test_migrations_build_the_same_schema_as_the_models(tmp_path: Path) -> None:
 
 def test_the_delta_index_is_partial_on_a_fresh_and_a_migrated_catalog(tmp_path: Path) -> None:
     """``ix_chunks_base`` holds the delta rows alone, whether the models or the migrations built it
-    (the models write its WHERE clause themselves; autogenerate's comparison does not look at it)."""
+    (autogenerate's comparison does not look at an index's WHERE clause)."""
     fresh = tmp_path / "fresh"
     ckstore.open(fresh).close()
     migrated = tmp_path / "m.db"

@@ -38,7 +38,8 @@ _DELTA_INDEX = text(
 
 
 def test_a_fresh_catalog_has_the_partial_delta_index(tmp_path: Path, pg_catalog_url: str) -> None:
-    """The models write the delta index's WHERE clause themselves (no PostgreSQL keyword)."""
+    """The models' delta index gets its PostgreSQL WHERE clause when a PostgreSQL catalog is
+    opened (not when the schema module is imported: see ``postgresql_options``)."""
     with _open(tmp_path / "store", pg_catalog_url) as store, store.catalog.engine.connect() as conn:
         fresh = conn.execute(_DELTA_INDEX).scalar()
     assert fresh is not None and fresh.endswith("(base) WHERE (base IS NOT NULL)"), fresh

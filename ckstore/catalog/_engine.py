@@ -17,7 +17,7 @@ from sqlalchemy.pool import QueuePool
 
 from ..errors import CatalogError, SchemaVersionError
 from ..urls import redact, scrub
-from ._schema import Base
+from ._schema import Base, postgresql_options
 
 __all__ = [
     "Rows",
@@ -189,6 +189,7 @@ def make_engine(url: str) -> Engine:
                 on_driver(conn, "BEGIN IMMEDIATE", ())
 
         elif url.startswith("postgresql"):
+            postgresql_options()
             given = make_url(url).query
             connect_args = {k: v for k, v in PG_CONNECT_DEFAULTS.items() if k not in given}
             # pre-ping: a pooled connection that died (the server restarted) is replaced before use
