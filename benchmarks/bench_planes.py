@@ -1,13 +1,14 @@
 """Byte planes: splitting a chunk into its planes and interleaving them back, several ways.
 
 The byte-plane codec (``ckstore.format.codec``) stores byte ``j`` of every element together.
-This compares, on one thread and a 4 MiB chunk, numpy's strided copies (what ckstore merges
-4- and 8-byte elements with, and splits 8-byte ones and chunks under 64 KiB), casts and shifts
-on 16- and 32-bit words, either through full-size casts or with shifts written straight into
-place (what ckstore splits 2- and 4-byte elements of larger chunks with, and merges 2-byte
-ones), numcodecs' ``Shuffle`` when installed (same byte layout), and ``memcpy`` for scale;
-then ckstore's own ``encode`` and ``decode_into`` on fp32 and bf16 data. Each figure is the
-median of ``--calls`` timed calls.
+This compares, on one thread and a 4 MiB chunk, ckstore's compiled kernels
+(``ckstore/format/_planes.c``, what ckstore uses when they are built), numpy's strided copies
+(what ckstore's numpy fallback merges 4- and 8-byte elements with, and splits 8-byte ones and
+chunks under 64 KiB), casts and shifts on 16- and 32-bit words, either through full-size casts
+or with shifts written straight into place (what the fallback splits 2- and 4-byte elements of
+larger chunks with, and merges 2-byte ones), numcodecs' ``Shuffle`` when installed (same byte
+layout), and ``memcpy`` for scale; then ckstore's own ``encode`` and ``decode_into`` on fp32
+and bf16 data, with either kernel. Each figure is the median of ``--calls`` timed calls.
 
     python benchmarks/bench_planes.py
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
 from ckstore.format import codec  # noqa: E402
+from ckstore.format import planes as byte_planes
 
 CHUNK = 4 << 20
 
@@ -124,6 +126,18 @@ def main() -> None:
                 gbs(timed(merge_strided, args.calls)),
             ]
         )
+        native = byte_planes._native
+        if native is not None:
+            out = [np.empty(CHUNK // k, dtype=np.uint8) for _ in range(k)]
+            native.split(a, out)
+            assert all(np.array_equal(x, y) for x, y in zip(out, planes))
+            dst[:] = 0
+            native.merge(planes, dst)
+            assert np.array_equal(dst, a)
+            for op, fn in (("split", lambda o=out: native.split(a, o)), ("merge", lambda p=planes: native.merge(p, dst))):
+                rows.append([f"ckstore's compiled kernels, {op} ({k}-byte elements)", gbs(timed(fn, args.calls))])
+        else:
+            rows.append([f"ckstore's compiled kernels ({k}-byte elements)", "not built"])
         if k in (2, 4):
             for how, split, merge in (
                 ("casts", split_words, merge_words),
@@ -170,16 +184,21 @@ def main() -> None:
     bf16 = (f32.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     bf16 = np.concatenate([bf16, bf16])
     rows = []
+    native = byte_planes._native
+    kernels = [("compiled", native), ("numpy", None)] if native is not None else [("numpy", None)]
     for name, data, k in (("fp32", f32, 4), ("bf16", bf16, 2)):
         raw = memoryview(data)
         frame = b"".join(bytes(p) for p in codec.encode(raw, k).parts)
         out = memoryview(bytearray(CHUNK))
-        rows.append([
-            name, f"{len(frame) / CHUNK:.1%}", gbs(timed(lambda r=raw, k=k: codec.encode(r, k), args.calls)),
-            gbs(timed(lambda fr=frame: codec.decode_into(fr, out), args.calls)),
-        ])  # fmt: skip
+        for kernel, module in kernels:
+            byte_planes._native = module  # (the kernel the codec's split and merge use)
+            rows.append([
+                name, kernel, f"{len(frame) / CHUNK:.1%}", gbs(timed(lambda r=raw, k=k: codec.encode(r, k), args.calls)),
+                gbs(timed(lambda fr=frame: codec.decode_into(fr, out), args.calls)),
+            ])  # fmt: skip
+    byte_planes._native = native
     print("\n### ckstore's codec on a 4 MiB chunk of normal weights (one thread)\n")
-    print(table(["dtype", "stored/raw", "encode GB/s", "decode GB/s"], rows))
+    print(table(["dtype", "byte planes", "stored/raw", "encode GB/s", "decode GB/s"], rows))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import numpy as np
 import zstandard
 
 from ..errors import IntegrityError
+from .planes import merge as merge_planes
+from .planes import split as split_planes
 
 __all__ = [
     "CODEC_RAW",
@@ -147,16 +149,15 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
     pc = _plane_compressor(level)
     if n <= _SAMPLE_BYTES * itemsize:  # each plane's sample would be the whole plane
         return _small_planes(raw, a, itemsize, pc)
-    head = a[: _SAMPLE_BYTES * itemsize]
     mask = 0
-    for j in range(itemsize):
-        if _shrinks(np.ascontiguousarray(head[j::itemsize]), pc):
+    for j, sample in enumerate(split_planes(a[: _SAMPLE_BYTES * itemsize], itemsize)):
+        if _shrinks(sample, pc):
             mask |= 1 << j
     if not mask:
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
 
     planes: list[bytes | memoryview] = []
-    for j, plane in enumerate(_split(a, itemsize)):
+    for j, plane in enumerate(split_planes(a, itemsize)):
         if mask >> j & 1:
             comp = pc.compress(plane.data)
             if len(comp) < plane.nbytes:
@@ -235,7 +236,7 @@ _MANY = 16  # fewer chunks than this are encoded one by one: starting zstd's thr
 def _planes_of_many(raws: Sequence[memoryview], itemsize: int) -> list[list[np.ndarray]]:
     """Each chunk's byte planes (views), split from the chunks' concatenation at once."""
     whole = np.concatenate([np.frombuffer(r, dtype=np.uint8) for r in raws])
-    planes = _split(whole, itemsize)
+    planes = split_planes(whole, itemsize)
     out, at = [], 0
     for r in raws:
         n = r.nbytes // itemsize
@@ -248,7 +249,7 @@ def _small_planes(raw: memoryview, a: np.ndarray, itemsize: int, pc: zstandard.Z
     """:func:`encode` of a chunk whose planes are no longer than a sample: each plane is
     compressed once and kept compressed if it shrank as a sample must (the same frame as
     sampling first, for half the work)."""
-    planes = _split(a, itemsize)
+    planes = split_planes(a, itemsize)
     return _small_planes_frame(raw, itemsize, planes, [memoryview(pc.compress(p.data)) for p in planes])
 
 
@@ -403,70 +404,17 @@ def _planes_into(body: memoryview, out: memoryview, itemsize: int, mask: int) ->
             f"byte-plane frame holds {body.nbytes - table} bytes of planes, its table says {sum(lengths)}"
         )
     per_plane = n // itemsize
-    dst = np.frombuffer(out, dtype=np.uint8)
-    planes: list[np.ndarray] = []
-    scratch: np.ndarray | None = None
+    sources: list[np.ndarray] = []
     pos = table
     for j, ln in enumerate(lengths):
         part = body[pos : pos + ln]
         pos += ln
         if mask >> j & 1:
-            if itemsize == 2:  # both planes are needed at once (see _merge)
-                plane = np.empty(per_plane, dtype=np.uint8)
-            else:
-                if scratch is None:
-                    scratch = np.empty(per_plane, dtype=np.uint8)
-                plane = scratch
+            plane = np.empty(per_plane, dtype=np.uint8)
             _unzstd(part, plane.data, f"byte plane {j}")
         else:
             if part.nbytes != per_plane:
                 raise IntegrityError(f"byte plane {j} holds {part.nbytes} bytes, expected {per_plane}")
             plane = np.frombuffer(part, dtype=np.uint8)
-        if itemsize == 2:
-            planes.append(plane)
-        else:
-            dst[j::itemsize] = plane
-    if itemsize == 2:
-        _merge2(planes[0], planes[1], dst)
-
-
-def _split(a: np.ndarray, itemsize: int) -> list[np.ndarray]:
-    """The byte planes of ``a`` (``a[j::itemsize]`` for each j), contiguous.
-
-    Chunks of :data:`_SHIFTS_FROM` bytes or more of two- and four-byte elements (bf16, fp16,
-    fp32, int32, ...) are split by shifting 16- or 32-bit words, each shift written straight into
-    its plane with a narrowing cast (numpy casts in small buffers: no full-size temporary). On
-    one thread, a 4 MiB chunk: 1.7–4.5x as fast as strided byte copies for two-byte elements,
-    1.1–1.3x for four-byte ones. A cast costs about a microsecond to set up, so smaller chunks
-    take the strided copies (``benchmarks/bench_planes.py``, docs/benchmarks.md)."""
-    wt = _WORDS.get(itemsize)
-    if wt is None or a.nbytes < _SHIFTS_FROM:
-        return [np.ascontiguousarray(a[j::itemsize]) for j in range(itemsize)]
-    words = a.view(wt)
-    planes = []
-    for j in range(itemsize):
-        plane = np.empty(words.size, dtype=np.uint8)
-        np.right_shift(words, 8 * j, out=plane, casting="unsafe")  # the cast keeps the low byte
-        planes.append(plane)
-    return planes
-
-
-_WORDS = {2: "<u2", 4: "<u4"}  # the little-endian words _split shifts for these element sizes
-#: chunks this long or longer are split by shifts (measured: shorter ones split faster by strided copies)
-_SHIFTS_FROM = 64 << 10
-#: chunks shorter than this are merged by strided copies (measured: faster than two casts' set-up)
-_MERGE2_SHIFTS_FROM = 8 << 10
-
-
-def _merge2(low: np.ndarray, high: np.ndarray, dst: np.ndarray) -> None:
-    """Interleave two byte planes into ``dst`` (the inverse of :func:`_split` for two-byte
-    elements): each 16-bit word is the high byte shifted up, or'ed with the low byte, in two
-    passes over ``dst`` whose casts numpy makes in small buffers (1.2–1.6x as fast as the casts and
-    shifts before them on a 4 MiB chunk; strided copies below :data:`_MERGE2_SHIFTS_FROM`)."""
-    if dst.nbytes < _MERGE2_SHIFTS_FROM:
-        dst[0::2] = low
-        dst[1::2] = high
-        return
-    words = dst.view("<u2")
-    np.left_shift(high, 8, out=words, dtype=np.uint16)
-    np.bitwise_or(words, low, out=words, dtype=np.uint16)
+        sources.append(plane)
+    merge_planes(sources, np.frombuffer(out, dtype=np.uint8))
