@@ -12,6 +12,10 @@ rounds.
 
     python benchmarks/bench_revisions.py --rev 3daf281 --rev HEAD
     python benchmarks/bench_revisions.py --rev main~5 --rev main --states demo,4mib --rounds 5
+    python benchmarks/bench_revisions.py --rev HEAD --rev HEAD:numpy   # compiled kernels or not
+
+A revision that has ckstore's byte-plane kernels (``hatch_build.py``) gets them compiled in its
+worktree; ``REV:numpy`` runs that revision without them (``CKSTORE_EXTENSION=skip``).
 
 States: ``demo``, the demo trainer's state (``ckstore demo``'s GRU and AdamW: 4.5 MiB in 46
 tensors); ``4mib``, four fp32 matrices of 1 MiB; ``tiny``, 20,000 fp32 tensors of 4 elements
@@ -97,8 +101,19 @@ with tempfile.TemporaryDirectory(dir=sys.argv[3]) as d, ckstore.open(d + "/s", r
         if i >= 3:  # the first commits pay imports and first calls
             commits.append(t1 - t0)
             checkouts.append(t2 - t1)
-print(json.dumps({"commit": statistics.median(commits), "checkout": statistics.median(checkouts)}))
+try:
+    from ckstore.format.planes import KERNEL as kernel
+except ImportError:  # a revision before the compiled kernels
+    kernel = "numpy"
+print(json.dumps({"commit": statistics.median(commits), "checkout": statistics.median(checkouts), "kernel": kernel}))
 """
+
+
+# compiles a worktree's byte-plane kernels in place, as an editable install does
+BUILD = (
+    "import pathlib, sys; sys.path.insert(0, sys.argv[1]); import hatch_build; "
+    "hatch_build.compile_extension(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), in_place=True)"
+)
 
 
 def main() -> None:
@@ -130,10 +145,13 @@ def main() -> None:
         trees = {}
         for rev in args.rev:
             tree = Path(tmp) / f"rev{len(trees)}"
+            commit = rev.removesuffix(":numpy")
             subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev],
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), commit],
                 check=True,
             )
+            if (tree / "hatch_build.py").exists() and not rev.endswith(":numpy"):
+                subprocess.run([sys.executable, "-c", BUILD, str(tree), str(Path(tmp) / f"build{len(trees)}")], check=True)
             trees[rev] = tree
         try:
             results = run(trees, states, args)
@@ -170,6 +188,8 @@ def run(
                     // {"tiny": 10, "adam": 3, "minilm": 3, "minilm-bf16": 3}.get(state, 1),
                 )
                 env = {**os.environ, "PYTHONPATH": str(trees[rev])}
+                if rev.endswith(":numpy"):
+                    env["CKSTORE_EXTENSION"] = "skip"
                 out = subprocess.run(
                     [sys.executable, "-c", CHILD, state, str(n), args.dir or tempfile.gettempdir()],
                     env=env,
@@ -183,7 +203,8 @@ def run(
                 for k in slot:
                     slot[k].append(got[k] * 1e3)
                 print(
-                    f"  round {r + 1}: {state} @ {rev}: commit {got['commit'] * 1e3:.1f} ms, checkout {got['checkout'] * 1e3:.1f} ms"
+                    f"  round {r + 1}: {state} @ {rev} (byte planes: {got.get('kernel', 'numpy')}): "
+                    f"commit {got['commit'] * 1e3:.1f} ms, checkout {got['checkout'] * 1e3:.1f} ms"
                 )
     return results
 
