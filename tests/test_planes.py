@@ -154,3 +154,15 @@ def test_skip_uses_numpy_and_reads_what_the_kernels_wrote(tmp_path: os.PathLike[
     assert run("a", "read", "auto") == "compiled"
     assert run("b", "write", "auto") == "compiled"
     assert run("b", "read", "skip") == "numpy"
+
+
+def test_version_says_which_kernels_run() -> None:
+    """``ckstore --version`` tells a user whether their install has the compiled kernels."""
+    for mode, words in (("auto", None), ("skip", "numpy (CKSTORE_EXTENSION=skip)")):
+        out = subprocess.run(
+            [sys.executable, "-m", "ckstore", "--version"], env={**os.environ, "CKSTORE_EXTENSION": mode},
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert out.startswith("ckstore, version "), out
+        want = words or ("compiled kernels" if planes.KERNEL == "compiled" else "numpy (the compiled kernels are not built")
+        assert f"byte planes: {want}" in out, out

@@ -4,7 +4,8 @@ A chunk of n elements of k bytes has k planes of n bytes each; plane j holds byt
 element, plane[j][i] == chunk[i * k + j] (docs/format.md, "Chunk frames"). split() cuts a chunk
 into its planes and merge() interleaves planes back into a chunk, each in one pass over the
 chunk: numpy's strided copies make k passes (one per plane) and ran at ~3 GB/s on one thread of
-the development machine, these at 13-16 GB/s (docs/benchmarks.md, "Byte planes").
+the development machine, these at 17-38 GB/s for 2- and 4-byte elements and 5-9 GB/s for 8-byte
+ones (docs/benchmarks.md, "Byte planes").
 
 Both check every length and that no output overlaps an input before touching memory, and
 release the GIL while they copy: checkout's read threads decode chunks side by side. Elements of
