@@ -1,0 +1,219 @@
+"""A small commit's timeline, and the I/O it cannot skip, against torch.save + fsync.
+
+Two measurements of the 4 MiB state (four fp32 matrices of 1 MiB, bench_core's ``4mib``):
+
+* **Timeline**: the commit's phases and the calls inside them (the claim, each chunk's encode,
+  each frame appended to the pack, the pack's fdatasync and folder fsyncs, the record, the
+  finishing transaction), wrapped with timers from outside for this script only; for each
+  event (the i-th call of its kind on a kind of thread: the caller, the commit's pool, the pack
+  writer's), the median over ``--commits`` commits of when it started and ended, in ms from the
+  call; events that most commits lack (a new folder's fsync) are left out.
+* **I/O floor**: the writes a commit of this state makes durable, done alone with the same
+  system calls and no encoding, hashing or Python protocol: the pack (86.5% of the raw bytes,
+  what the codec stores of this state) through a temp file with writeback started every MiB,
+  fdatasync, rename and folder fsync; the checkpoint's record (a small file, the same way); and
+  one durable SQLite transaction (WAL, ``synchronous=FULL``) recording four chunks and the
+  checkpoint. Against ``torch.save`` + fsync of the same tensors, alternating, the median of
+  ``--floor-rounds`` each.
+
+    python benchmarks/timeline_commit.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import table  # noqa: E402
+
+import ckstore  # noqa: E402
+from ckstore.blobstore import _local  # noqa: E402
+from ckstore.catalog import _commit  # noqa: E402
+from ckstore.commit import _stage, protocol  # noqa: E402
+from ckstore.format import codec, pack  # noqa: E402
+from ckstore.retention import LatestN  # noqa: E402
+
+#: (owner, attribute, label) of every call the timeline shows
+TRACED = [
+    (protocol.StagedCommit, "declare", "declare"),
+    (protocol.StagedCommit, "hash", "hash"),
+    (_commit.CommitMixin, "begin_and_claim", "claim (catalog)"),
+    (protocol.StagedCommit, "write", "write phase"),
+    (codec, "encode", "encode a chunk"),
+    (pack.PackWriter, "_open", "open the pack"),
+    (pack.PackWriter, "add", "append a frame"),
+    (_local._Flusher, "finish", "fdatasync"),
+    (_local, "_fsync_dir", "folder fsync"),
+    (protocol, "write_record", "the record"),
+    (_commit.CommitMixin, "finish_checkpoint", "finishing transaction"),
+]
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, float, float]] = []  # label, thread, start, end
+        self.t0 = 0.0
+        self._undo: list[Callable[[], None]] = []
+
+    def trace(self) -> None:
+        for owner, name, label in TRACED:
+            fn = getattr(owner, name)
+
+            def timed(*a: Any, __fn: Any = fn, __label: str = label, **k: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return __fn(*a, **k)
+                finally:
+                    thread = threading.current_thread()
+                    who = "caller" if thread is threading.main_thread() else thread.name.rsplit("_", 1)[0]
+                    self.events.append((__label, who, start - self.t0, time.perf_counter() - self.t0))
+
+            setattr(owner, name, timed)
+            self._undo.append(lambda o=owner, n=name, f=fn: setattr(o, n, f))
+
+    def untrace(self) -> None:
+        for undo in self._undo:
+            undo()
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(512, 512, generator=g) for i in range(4)}
+
+
+def timeline(commits: int, where: str) -> None:
+    sd = state()
+    store = ckstore.open(os.path.join(where, "timeline"), run="t")
+    store.commit(step=0, rank_states={0: {"m": {"x": torch.zeros(4)}}})
+    for step in range(1, 6):  # threads started, statements prepared
+        store.commit(step=step, rank_states={0: {"m": sd}})
+    tl = Timeline()
+    tl.trace()
+    rows: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
+    walls = []
+    try:
+        for step in range(6, 6 + commits):
+            for t in sd.values():
+                t.add_(1e-3)
+            tl.events.clear()
+            tl.t0 = time.perf_counter()
+            store.commit(step=step, rank_states={0: {"m": sd}})
+            walls.append(time.perf_counter() - tl.t0)
+            seen: dict[tuple[str, str], int] = defaultdict(int)
+            for label, who, start, end in sorted(tl.events, key=lambda e: e[2]):
+                rows[label, who, seen[label, who]].append((start, end))  # the i-th such call on such a thread
+                seen[label, who] += 1
+            if step % 50 == 0:
+                store.gc(LatestN(2))
+    finally:
+        tl.untrace()
+        store.close()
+    out = []
+    for (label, who, i), got in sorted(rows.items(), key=lambda kv: statistics.median(g[0] for g in kv[1])):
+        if len(got) < commits // 2:
+            continue  # an event of a few commits only (a new folder's fsync)
+        start, end = statistics.median(g[0] for g in got), statistics.median(g[1] for g in got)
+        name = f"{label} #{i + 1}" if (label, who, 1) in rows else label
+        out.append([name, who, f"{start * 1e3:.2f}", f"{end * 1e3:.2f}", f"{(end - start) * 1e3:.2f}"])
+    print(f"### A 4 MiB commit's timeline (medians over {commits} commits; the commit {statistics.median(walls) * 1e3:.2f} ms)\n")
+    print(table(["event", "thread", "starts ms", "ends ms", "takes ms"], out))
+
+
+def floor(rounds: int, where: str) -> None:
+    root = Path(where) / "floor"
+    for sub in ("tmp", "packs/ab", "records/cd"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(root / "catalog.db", isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("CREATE TABLE chunks (digest BLOB PRIMARY KEY, pack INTEGER, offset INTEGER, length INTEGER)")
+    db.execute("CREATE TABLE checkpoints (id INTEGER PRIMARY KEY, step INTEGER, visible INTEGER)")
+    libc = ctypes.CDLL(None, use_errno=True)
+    start_writeback = getattr(libc, "sync_file_range", None)
+    rng = np.random.default_rng(0)
+    frames = [np.frombuffer(rng.bytes(int(0.865 * (1 << 20))), dtype=np.uint8) for _ in range(4)]
+    record = rng.bytes(1500)
+    sd = state()
+
+    def fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def durable_file(parts: list[Any], folder: str) -> None:
+        tmp = root / "tmp" / uuid.uuid4().hex
+        with open(tmp, "xb", buffering=0) as f:
+            pos = 0
+            for part in parts:
+                f.write(part)
+                if start_writeback is not None:
+                    start_writeback(f.fileno(), ctypes.c_int64(pos), ctypes.c_int64(len(part)), 2)
+                pos += len(part)
+            os.fdatasync(f.fileno())
+        os.replace(tmp, root / folder / uuid.uuid4().hex)
+        fsync_dir(root / folder)
+
+    def ckstore_io(step: int) -> None:
+        durable_file(frames, "packs/ab")
+        durable_file([record], "records/cd")
+        db.execute("BEGIN IMMEDIATE")
+        db.executemany("INSERT INTO chunks VALUES (?, 1, ?, ?)", [(os.urandom(16), i, 1) for i in range(4)])
+        db.execute("INSERT INTO checkpoints (step, visible) VALUES (?, 1)", (step,))
+        db.execute("COMMIT")
+
+    def torch_save() -> None:
+        with open(root / "state.pt", "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    times: dict[str, list[float]] = {"a commit's I/O alone": [], "torch.save + fsync": []}
+    for i in range(rounds):
+        order = [("a commit's I/O alone", lambda: ckstore_io(i)), ("torch.save + fsync", torch_save)]
+        for name, fn in order if i % 2 else order[::-1]:
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    db.close()
+    ref = statistics.median(times["torch.save + fsync"])
+    rows = [[k, f"{statistics.median(v) * 1e3:.2f}", f"{statistics.median(v) / ref:.2f}x"] for k, v in times.items()]
+    print(f"\n### The I/O a 4 MiB commit makes durable, alone (medians of {rounds})\n")
+    print(table(["what", "ms", "vs torch.save + fsync"], rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--commits", type=int, default=100)
+    ap.add_argument("--floor-rounds", type=int, default=200)
+    ap.add_argument("--dir", default=None, help="where the stores go (default: the system's temp folder)")
+    args = ap.parse_args()
+    where = tempfile.mkdtemp(prefix="ckstore-timeline-", dir=args.dir)
+    try:
+        timeline(args.commits, where)
+        floor(args.floor_rounds, where)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
