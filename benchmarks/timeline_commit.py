@@ -46,7 +46,7 @@ from common import table  # noqa: E402
 import ckstore  # noqa: E402
 from ckstore.blobstore import _local  # noqa: E402
 from ckstore.catalog import _commit  # noqa: E402
-from ckstore.commit import _stage, protocol  # noqa: E402
+from ckstore.commit import protocol  # noqa: E402
 from ckstore.format import codec, pack  # noqa: E402
 from ckstore.retention import LatestN  # noqa: E402
 
