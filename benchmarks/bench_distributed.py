@@ -14,7 +14,9 @@ same stores. Each job, on the same state dict and in the same run:
 
 Every job runs everything ``--repeat`` times on fresh random data (nothing dedups against an
 earlier commit) and reports the best time: wall clock on rank 0 between barriers. Both systems
-fsync what they write; loads read from the page cache.
+fsync what they write; loads read from the page cache. Last, without any job, the sharded state
+is saved as 1, 2 and 4 ranks from one process and each checked out into one rank: what a
+reshard costs ckstore itself, apart from the jobs' scheduling.
 """
 
 from __future__ import annotations
@@ -242,6 +244,35 @@ def report(results: list[dict[str, Any]]) -> None:
         print(_row(row, widths))
 
 
+def in_process(args: argparse.Namespace) -> None:
+    """The jobs' resharded checkouts without the jobs: the sharded state saved as 1, 2 and 4
+    ranks from one process (``ckstore.Shard``), each checked out into one rank, in turn."""
+    import ckstore
+    from ckstore import Shard, WorldLayout
+
+    g = torch.Generator().manual_seed(0)
+    shape = (2048, TENSOR_MIB * 1024 * 1024 // 4 // 2048)
+    full = {f"w{i}": torch.randn(*shape, generator=g) for i in range(args.sharded_mib // TENSOR_MIB)}
+    store = ckstore.open(Path(args.dir) / "in-process", run="bench", chunk_size=1024 * 1024, workers=2)
+    for world in (1, 2, 4):
+        n = shape[0] // world
+        states = {
+            r: {"model": {k: Shard(v[r * n : (r + 1) * n].clone(), mesh_dim="dp", dim=0) for k, v in full.items()}}
+            for r in range(world)
+        }
+        store.commit(step=world, rank_states=states, world_layout=WorldLayout({"dp": world}))
+    times: dict[int, list[float]] = {1: [], 2: [], 4: []}
+    for _ in range(15):
+        for world, got in times.items():
+            t0 = time.perf_counter()
+            store.checkout(world, world_layout=WorldLayout.single())
+            got.append(time.perf_counter() - t0)
+    store.close()
+    print(f"\none process, the {args.sharded_mib} MiB sharded state checked out into one rank (median of 15)")
+    for world, got in times.items():
+        print(f"  saved by {world} rank(s): {sorted(got)[len(got) // 2] * 1e3:.1f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sharded-mib", type=int, default=96)
@@ -274,6 +305,7 @@ def main() -> None:
             results.append(launch(args, world, sources))
             print(f"  {world}-rank job done in {time.perf_counter() - t0:.1f}s", flush=True)
         report(sorted(results, key=lambda r: r["world"]))
+        in_process(args)
     finally:
         if own:
             shutil.rmtree(args.dir, ignore_errors=True)
