@@ -152,13 +152,6 @@ def floor(rounds: int, where: str) -> None:
     record = rng.bytes(1500)
     sd = state()
 
-    def fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def durable_file(parts: list[Any], folder: str) -> None:
         tmp = root / "tmp" / uuid.uuid4().hex
         with open(tmp, "xb", buffering=0) as f:
@@ -170,7 +163,7 @@ def floor(rounds: int, where: str) -> None:
                 pos += len(part)
             os.fdatasync(f.fileno())
         os.replace(tmp, root / folder / uuid.uuid4().hex)
-        fsync_dir(root / folder)
+        _local._fsync_dir(str(root / folder))  # the local store's own
 
     def ckstore_io(step: int) -> None:
         durable_file(frames, "packs/ab")
