@@ -6,7 +6,7 @@ commit of a changed float chunk, merged on every checkout of one. Two implementa
 same bytes:
 
 * ckstore's compiled kernels (``ckstore/format/_planes.c``, built with the wheel by
-  ``hatch_build.py``): one pass over the chunk with the GIL released, 17–38 GB/s on one thread of
+  ``hatch_build.py``): one pass over the chunk with the GIL released, 19–42 GB/s on one thread of
   the development machine for 2- and 4-byte elements and 5–9 GB/s for 8-byte ones;
 * numpy, when the kernels were not built (no C compiler at install) or ``CKSTORE_EXTENSION=skip``
   is set: strided copies (one pass per plane, ~3 GB/s) and, for 2- and 4-byte elements of larger
