@@ -19,13 +19,16 @@ The points, in the order a commit reaches them (docs/reliability.md, "Kill point
     a pack's object has its header and at least one chunk frame written, not yet complete
     (small frames are gathered and written about a megabyte at a time)
 ``pack.durable``
-    a pack's object is complete and durable (renamed / put), its chunk rows not yet recorded
+    a pack's object is complete and durable (renamed / put), its chunk rows not yet committed
+    (rank 0's last pack is made durable while ``finish``'s transaction inserts its chunk rows,
+    so this point may come after ``write``, ``finish`` or ``pack.chunks_recorded``)
 ``pack.chunks_recorded``
     every pack's chunk rows are inserted (rank 0, in ``finish``, inside the transaction that
     makes the checkpoint visible, not yet committed), the record not yet written
 ``record.written``
     the checkpoint's record is written to the blob store (on a worker thread while that
-    transaction runs, or first when it names many chunks), the checkpoint not yet visible
+    transaction runs, or first when it names many chunks), after every pack is durable; the
+    checkpoint not yet visible
 ``finish.transaction``
     inside the transaction that makes the checkpoint visible, before its COMMIT
 """

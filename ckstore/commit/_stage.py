@@ -291,8 +291,11 @@ def write_missing(
     progress: Callable[[int], None] | None = None,
     threads: int = 1,
     delta: DeltaPlan | None = None,
-) -> None:
-    """Encode the chunks in ``missing`` on the pool, in order, and append them to packs.
+) -> Callable[[], None]:
+    """Encode the chunks in ``missing`` on the pool, in order, and append them to packs; returns
+    once the last pack is finished, with the function that waits until every pack is durable
+    (:meth:`~ckstore.format.pack.PackWriter.close_later`; the writer is aborted on a failure
+    before that).
 
     With ``delta``, a chunk with a usable base is encoded as a delta when that is smaller
     (:func:`ckstore.commit._delta.encode`), one chunk at a time.
@@ -365,7 +368,7 @@ def write_missing(
         while inflight:
             d0, raw0, fut = inflight.popleft()
             add(d0, *fut.result(), raw=raw0)
-        writer.close()
+        return writer.close_later()
     except BaseException:
         for _, _, fut in inflight:
             fut.cancel()

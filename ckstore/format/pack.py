@@ -71,12 +71,15 @@ class PackWriter:
 
     ``on_open() -> (key, pack_id)`` runs before a pack's object is written: the caller records
     the pack in the catalog first (or takes a key recorded for it in advance).
-    ``on_close(pack_id, size, chunks)`` runs once the object is durable.
+    ``on_close(pack_id, size, chunks)`` runs once the object is durable. :attr:`sealed` lists
+    every pack finished so far, ``(pack_id, size, chunks)`` in the order they were filled,
+    whether or not it is durable yet.
 
     A blob store whose ``write_concurrency`` is above one (object stores, where each upload
     waits on the network) gets that many finished packs uploading in the background while the
     next one fills; ``on_close`` then runs on those threads. :meth:`close` returns once every
-    pack is written and recorded, and raises the first failure.
+    pack is written and recorded, and raises the first failure; :meth:`close_later` returns
+    as soon as the last pack is finished, with a function that waits for that.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class PackWriter:
         self._uploads: list[Future[None]] = []
         self._count_lock = threading.Lock()
         self._buf = bytearray()  # small frames not written yet, at most about _BUFFER bytes
+        self.sealed: list[tuple[Any, int, list[PackedChunk]]] = []
 
     def add(self, digest: bytes, frame: Frame, raw_size: int, chain: int | None = None) -> None:
         """Append one chunk's frame; ``chain``: a delta frame's depth (its base's plus one)."""
@@ -129,10 +133,23 @@ class PackWriter:
             self._finish()
 
     def close(self) -> None:
+        self.close_later()()
+
+    def close_later(self) -> Callable[[], None]:
+        """Finish the last pack and return without waiting for the packs still being made
+        durable (a local pack's fdatasync and rename, an object store's uploads): returns the
+        function that waits for them, runs their ``on_close``, and raises the first failure.
+        Every pack is in :attr:`sealed` once this returns. The caller may record the packs'
+        chunks meanwhile, but must not make them visible before that function has returned;
+        :meth:`abort` instead lets them end and leaves what they wrote to gc."""
         if self._w is not None:
             self._finish()
-        self._settle(len(self._uploads))
-        self._shutdown()
+
+        def settle() -> None:
+            self._settle(len(self._uploads))
+            self._shutdown()
+
+        return settle
 
     def abort(self) -> None:
         self._buf = bytearray()
@@ -180,6 +197,7 @@ class PackWriter:
         size = self._pos + len(index) + _FOOTER.size
         stack, self._stack, self._w = self._stack, None, None
         chunks, self._chunks = self._chunks, []
+        self.sealed.append((self._pack_id, size, chunks))
         if self._inflight == 1:
             self._complete(stack, self._pack_id, size, chunks)
             return
