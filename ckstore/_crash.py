@@ -27,8 +27,9 @@ The points, in the order a commit reaches them (docs/reliability.md, "Kill point
     makes the checkpoint visible, not yet committed), the record not yet written
 ``record.written``
     the checkpoint's record is written to the blob store (on a worker thread while that
-    transaction runs, or first when it names many chunks), after every pack is durable; the
-    checkpoint not yet visible
+    transaction runs, or first when it names many chunks; its bytes made durable while the
+    packs are, the object in place only after every pack is durable); the checkpoint not yet
+    visible
 ``finish.transaction``
     inside the transaction that makes the checkpoint visible, before its COMMIT
 """

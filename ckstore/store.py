@@ -113,6 +113,7 @@ class Store:
         self._async: AsyncCommits | None = None
         self._gcs: BackgroundGc | None = None
         self._delta: Any = None  # a DeltaCache once write_deltas turned deltas on
+        self._ahead: Any = None  # the commit._stage.AheadHint of this object's commits, from the first
 
     def write_deltas(self, chain: int, memory: int | None = None) -> None:
         """Write each changed chunk of later commits as a delta against the same chunk of the
@@ -268,11 +269,13 @@ class Store:
         """The first phase of :meth:`commit` in this thread (checked, flattened, staged); the
         returned :class:`~ckstore.commit.protocol.StagedCommit` runs the rest. For integrations
         that drive the phases themselves (DCP's storage writer)."""
-        from .commit import protocol
+        from .commit import _stage, protocol
         from .diff.lineage import commit_parent
 
+        if self._ahead is None:
+            self._ahead = _stage.AheadHint()
         return protocol.start(
-            protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run, self._delta),
+            protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run, self._delta, self._ahead),
             step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
             world_layout=world_layout, allow_pickle=allow_pickle, parent=partial(commit_parent, self, parent),
             progress=progress, process_group=process_group, staging=staging, changed_only=changed_only,

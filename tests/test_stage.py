@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,3 +90,49 @@ def test_a_commit_leaves_the_collector_as_it_found_it(store: ckstore.Store, coll
         with pytest.raises(UnsupportedValueError):  # refused at once, asynchronous or not
             store.commit(step + 10, {0: {"m": {"bad": object()}}}, blocking=blocking)  # type: ignore[call-overload]
         assert gc.isenabled() is enabled
+
+
+def test_large_chunks_encode_during_the_claim_guessed_from_the_last_commit(
+    store_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single process starts encoding the large chunks its last commit wrote first (the first
+    large chunks before its first commit) before its claim says which are missing
+    (:func:`_stage.encode_ahead`): a missing one takes that frame (not encoded twice), a
+    stored one was encoded for nothing and is never written, and a state whose large chunks
+    did not change is not guessed at."""
+    from ckstore.maintenance.gc import list_packs
+    from ckstore.maintenance.recover import read_pack_index
+
+    monkeypatch.setattr(_stage, "_CPUS", 2)  # as on the project's machines, whatever this one has
+    encoded: list[int] = []
+    real = _stage._whole
+
+    def counting(raw: memoryview, itemsize: int, level: int) -> Any:
+        encoded.append(raw.nbytes)
+        return real(raw, itemsize, level)
+
+    monkeypatch.setattr(_stage, "_whole", counting)
+    s = ckstore.open(store_path, run="r", chunk_size=256 * 1024, workers=2)
+    ws = [torch.randn(256, 256) for _ in range(4)]  # 256 KiB each: one large chunk apiece
+
+    def commit(step: int, tensors: list[torch.Tensor]) -> int:
+        encoded.clear()
+        s.commit(step, {0: {"m": {f"w{i}": w for i, w in enumerate(tensors)}}})
+        out = s.checkout(step)[0]["m"]
+        assert all(torch.equal(out[f"w{i}"], w) for i, w in enumerate(tensors))
+        return len(encoded)
+
+    def frames() -> int:
+        return sum(len(read_pack_index(s.blobs, key, size)) for key, (size, _) in list_packs(s.blobs).items())
+
+    assert commit(0, ws) == 4 and frames() == 4  # w0 and w1 encoded ahead, and written as they were
+    ws[2:] = [w + 1 for w in ws[2:]]
+    assert commit(1, ws) == 4  # w0 and w1 again (the last commit wrote them first), then w2 and w3
+    assert frames() == 6  # w0 and w1 stored already: never written
+    ws[2:] = [w + 1 for w in ws[2:]]
+    assert commit(2, ws) == 2 and frames() == 8  # w2 and w3, encoded ahead, guessed right
+    assert commit(3, ws) == 2 and frames() == 8  # nothing changed: w2 and w3 guessed, for nothing
+    assert commit(4, ws) == 0 and frames() == 8  # the last commit wrote nothing: nothing guessed
+    ws[3] = ws[3] + 1
+    assert commit(5, ws) == 0 and frames() == 9  # nothing guessed; the lone changed chunk encoded inline
+    s.close()

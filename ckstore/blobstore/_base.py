@@ -38,7 +38,7 @@ from __future__ import annotations
 import errno
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -133,6 +133,14 @@ class _CountingWriter:
         self.written += m
         return n if n is not None else m
 
+    def durable_now(self) -> None:
+        """Make what was written so far durable now, where the store can before the object
+        appears (a local file's ``fdatasync``; an object store's upload happens when the
+        writer's block ends, and this does nothing there). The object still appears only then."""
+        durable_now = getattr(self._f, "durable_now", None)
+        if durable_now is not None:
+            durable_now()
+
 
 class BlobStore(ABC):
     """Immutable objects under opaque keys. See the module docstring for the contract."""
@@ -163,13 +171,29 @@ class BlobStore(ABC):
             raise err from e
         self.stats.add(writes=1, bytes_written=w.written)
 
-    def put(self, key: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
+    def put(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        *,
+        exclusive: bool = False,
+        before_publish: Callable[[], object] | None = None,
+    ) -> None:
         """Write a whole object; with ``exclusive`` only if ``key`` is free (else
-        :class:`BlobExistsError`)."""
+        :class:`BlobExistsError`). ``before_publish`` (not with ``exclusive``) runs once the
+        bytes are written, and durable where the store can make them so before the object
+        appears (:meth:`_CountingWriter.durable_now`), and before the object appears: what the
+        object names can be made durable meanwhile (a checkpoint's record waits there for its
+        packs). A failure in it leaves no object."""
         if not exclusive:
             with self.writer(key) as w:
                 w.write(data)
+                if before_publish is not None:
+                    w.durable_now()
+                    before_publish()
             return
+        if before_publish is not None:
+            raise ValueError("put(): before_publish is not supported with exclusive=True")
         view = memoryview(data)
         self._put_exclusive(key, view)
         self.stats.add(writes=1, bytes_written=view.nbytes)

@@ -56,9 +56,11 @@ class _Flusher:
         self.started = 0  # bytes from the start of the file whose writeback was started
         self._start = _sync_file_range()
         self._thread: threading.Thread | None = None
+        self._clean = False  # nothing written since the last fdatasync (durable_now)
 
     def write(self, data: bytes | memoryview) -> int | None:
         n = self._f.write(data)
+        self._clean = False
         self._since += memoryview(data).nbytes
         if self._start is not None:
             if self._since >= _START_EVERY:
@@ -78,10 +80,18 @@ class _Flusher:
             self._thread.join()
             self._thread = None
 
+    def durable_now(self) -> None:
+        """``fdatasync`` now, before the file is complete (a checkpoint's record, made durable
+        while its packs are); :meth:`finish` then skips its own if nothing was written since."""
+        self.join()
+        os.fdatasync(self._f.fileno())
+        self._clean = True
+
     def finish(self) -> None:
         """Make every byte written durable (errors raise here, not in the background)."""
         self.join()
-        os.fdatasync(self._f.fileno())
+        if not self._clean:
+            os.fdatasync(self._f.fileno())
 
 
 #: how many bytes a local writer lets pile up before it starts their writeback (Linux)

@@ -4,7 +4,7 @@ durable before that transaction commits."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -23,12 +23,15 @@ def write_record(
     added: int,
     facts: RecordFacts,
     committed_at: datetime,
+    packs_durable: Callable[[], object] | None = None,
 ) -> None:
     """Write the pending checkpoint ``ckpt_id``'s record (``args``: the commit's checked
     arguments; ``facts``: the catalog's, read in the transaction that makes it visible), durably,
-    with ``committed_at`` as its commit time."""
+    with ``committed_at`` as its commit time. ``packs_durable`` waits until the packs it names
+    are durable: the record's bytes are written (and made durable) meanwhile, and it appears
+    only after (a durable record names only durable chunks)."""
     write_checkpoint_record(
         ctx.blobs, ctx.catalog, ckpt_id, metrics=args.metrics, tags=args.tags, entries=manifests,
-        stored_bytes_added=added, facts=facts, committed_at=committed_at,
+        stored_bytes_added=added, facts=facts, committed_at=committed_at, before_publish=packs_durable,
     )  # fmt: skip
     crash_point("record.written")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,9 @@ __all__ = [
     "hash_staged",
     "stage_and_hash",
     "write_missing",
+    "AheadHint",
+    "encode_ahead",
+    "written_places",
     "build_manifests",
     "MAX_RANK",
 ]
@@ -279,6 +282,79 @@ def _unique_missing(
     return small + large, len(large)
 
 
+class AheadHint:
+    """Which large chunks a store object's next commit encodes ahead (:func:`encode_ahead`):
+    the places (rank, sub-checkpoint, path, chunk index) of the first large chunks its last
+    commit wrote, in order. Training changes the same tensors from one commit to the next, and
+    a frozen embedding that leads the state is stored already: guessing from the last commit
+    spends no encode on it. Before a first commit, the first large chunks are taken."""
+
+    def __init__(self) -> None:
+        self.places: list[tuple[int, str, str, int]] | None = None  # None: no commit yet
+
+    def remember(self, places: list[tuple[int, str, str, int]]) -> None:
+        self.places = places[:AHEAD]
+
+
+#: the most large chunks a commit encodes ahead of its claim (two cores' worth)
+AHEAD = 2
+
+
+def encode_ahead(
+    entries: Sequence[PreparedEntry],
+    staged: Sequence[StagedTensor],
+    chunk_size: int,
+    level: int,
+    pool: Executor,
+    threads: int,
+    hint: AheadHint,
+) -> dict[bytes, Future[tuple[codec.Frame, int | None]]]:
+    """Start encoding, on the pool, the large chunks this commit will most likely write
+    (``hint``: the places the last commit wrote first), before the claim has said which chunks
+    are missing: a small commit's first frames are then ready, and their writeback started,
+    about when its claim's transaction ends instead of an encode later. At most :data:`AHEAD`
+    (and ``threads``, and the CPUs); none on one core. A guess the claim finds stored already
+    was encoded for nothing: that many chunks' work at most. Pass the result to
+    :func:`write_missing` as ``ahead``."""
+    if min(threads, _CPUS) < 2:
+        return {}
+    wanted = None if hint.places is None else set(hint.places)
+    picked: dict[bytes, tuple[memoryview, int]] = {}
+    for st in staged:
+        n = st.data.nbytes
+        if n < SMALL_CHUNK:  # (an optimizer state's thousands of small tensors: one test each)
+            continue
+        e = entries[st.entry]
+        for ci, d in enumerate(st.digests):
+            if min(chunk_size, n - ci * chunk_size) < SMALL_CHUNK or d in picked:
+                continue
+            if wanted is None or (e.rank, e.sub_key, st.path, ci) in wanted:
+                picked[d] = (st.data if n <= chunk_size else st.chunk(ci, chunk_size), st.itemsize)
+                if len(picked) == min(threads, AHEAD):
+                    return {d: pool.submit(_whole, raw, k, level) for d, (raw, k) in picked.items()}
+    # fewer: write_missing may well encode them in its own thread (a lone large chunk)
+    return {}
+
+
+def written_places(
+    entries: Sequence[PreparedEntry], staged: Sequence[StagedTensor], written: set[bytes], chunk_size: int
+) -> list[tuple[int, str, str, int]]:
+    """The places of the first :data:`AHEAD` large chunks in ``written``, in order (for
+    :meth:`AheadHint.remember`)."""
+    out: list[tuple[int, str, str, int]] = []
+    for st in staged:
+        n = st.data.nbytes
+        if n < SMALL_CHUNK:
+            continue
+        e = entries[st.entry]
+        for ci, d in enumerate(st.digests):
+            if d in written and min(chunk_size, n - ci * chunk_size) >= SMALL_CHUNK:
+                out.append((e.rank, e.sub_key, st.path, ci))
+                if len(out) == AHEAD:
+                    return out
+    return out
+
+
 def write_missing(
     staged: Sequence[StagedTensor],
     missing: set[bytes],
@@ -291,6 +367,7 @@ def write_missing(
     progress: Callable[[int], None] | None = None,
     threads: int = 1,
     delta: DeltaPlan | None = None,
+    ahead: Mapping[bytes, Future[tuple[codec.Frame, int | None]]] | None = None,
 ) -> Callable[[], None]:
     """Encode the chunks in ``missing`` on the pool, in order, and append them to packs; returns
     once the last pack is finished, with the function that waits until every pack is durable
@@ -308,8 +385,12 @@ def write_missing(
     (:func:`ckstore.format.codec.encode_many`). Large chunks are encoded on the pool, a window of
     them in flight, even in a small commit (four fp32 chunks of 1 MiB: 6.2 ms one after another,
     3.3 ms on two threads; the commit 1.8 ms faster); a lone large chunk, or any on a single
-    core, is encoded in the calling thread, which has nothing else to do meanwhile."""
+    core, is encoded in the calling thread, which has nothing else to do meanwhile.
+
+    ``ahead``: encodes :func:`encode_ahead` started; the chunks among them that are missing take
+    their frames from there, the others are dropped once they end."""
     inflight: deque[tuple[bytes, memoryview, Future[tuple[codec.Frame, int | None]]]] = deque()
+    early = dict(ahead or {})
     chunks, large = _unique_missing(staged, missing, chunk_size)
     threads = min(threads, _CPUS)
     inline = large < 2 or threads < 2
@@ -344,7 +425,9 @@ def write_missing(
                 small = False
                 writer.seal()  # the pack of small chunks: written while the large ones are encoded
             base = delta.bases.get(d) if delta is not None else None
-            if base is not None and delta is not None and base in delta.usable:
+            if d in early:  # encoding since before the claim
+                inflight.append((d, raw, early.pop(d)))
+            elif base is not None and delta is not None and base in delta.usable:
                 if small or inline:
                     frame, chain = _delta.encode(raw, st.itemsize, level, d, base, delta)
                     add(d, frame, chain, raw=raw)
@@ -374,6 +457,10 @@ def write_missing(
             fut.cancel()
         writer.abort()
         raise
+    finally:  # the chunks encoded ahead that were stored already: dropped once they end
+        for fut in early.values():
+            fut.cancel()
+        wait(early.values())
 
 
 def _whole(raw: memoryview, itemsize: int, level: int) -> tuple[codec.Frame, None]:

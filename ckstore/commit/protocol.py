@@ -96,11 +96,6 @@ def _ignore_closed(pack_id: Any, size: int, chunks: list[PackedChunk]) -> None:
     """A commit takes its packs from :attr:`PackWriter.sealed` (durable once it settled)."""
 
 
-def _in_turn(first: Callable[[], object], then: Callable[[], object]) -> None:
-    first()
-    then()
-
-
 # a frame is its raw bytes plus a header and, for byte planes, one u32 per plane (16 at most);
 # a delta frame adds its own header and its base's digest
 _MAX_FRAME_OVERHEAD = DELTA_OVERHEAD + HEADER_SIZE + 4 * 16
@@ -116,6 +111,7 @@ class CommitContext:
     workers: int
     run: str | None = None  # the store's default run, for commits that name none
     delta: DeltaCache | None = None  # the store's chunks to write deltas against, when it writes deltas
+    ahead: _stage.AheadHint | None = None  # which large chunks a single process encodes during its claim
 
 
 def start(
@@ -207,6 +203,8 @@ class StagedCommit:
         # durable (the transaction records their chunks meanwhile, and waits before its COMMIT)
         self.packs_durable: Callable[[], None] = _nothing
         self._durable_at_finish = False
+        # a group of one without deltas: its first large chunks' encodes, started before the claim
+        self.ahead: dict[bytes, Any] = {}
 
     @property
     def what(self) -> str:
@@ -335,6 +333,10 @@ class StagedCommit:
                     held.setdefault(d, min(cs, n - i * cs))  # chunk i's length
             if self.ctx.delta is not None:
                 self.bases = self.ctx.delta.candidates(self._places())
+            elif g.size == 1 and self.ctx.ahead is not None:  # the likely missing ones encode during the claim
+                self.ahead = _stage.encode_ahead(
+                    self.entries, self.staged, cs, self.cfg.compression_level, self.pool, self.ctx.workers, self.ctx.ahead
+                )
             return _join(list(self.held)), list(self.held.values()), _join(list(dict.fromkeys(self.bases.values())))
 
         hashed = g.attempt(local)
@@ -458,8 +460,11 @@ class StagedCommit:
             durable = _stage.write_missing(
                 self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
                 level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick, threads=self.ctx.workers,
-                delta=delta,
+                delta=delta, ahead=self.ahead,
             )  # fmt: skip
+            self.ahead = {}
+            if g.size == 1 and self.ctx.delta is None and self.ctx.ahead is not None:
+                self.ctx.ahead.remember(_stage.written_places(self.entries, self.staged, assigned, cfg.chunk_size))
             if self._durable_at_finish and g.rank == 0:
                 # the last pack's fdatasync and rename run while the finishing transaction
                 # records its chunks; its COMMIT waits for them (4 MiB: ~1.7 ms sooner)
@@ -499,13 +504,13 @@ class StagedCommit:
             assert pool is not None
 
             def record(added: int, facts: RecordFacts) -> Callable[[], object]:
-                # the checkpoint's record in the blob store, once every pack is durable (a durable
-                # record names only durable chunks) and before the finishing transaction's
-                # COMMIT. A small record is written on the pool while the transaction's statements
+                # the checkpoint's record in the blob store: its bytes written and made durable
+                # while the packs are, in place once every pack is durable (a durable record
+                # names only durable chunks), before the finishing transaction's COMMIT. A small record is written on the pool while the transaction's statements
                 # run (its time is the disk's); a large one is mostly Python encoding it, which
                 # would hold the GIL the statements wait for between their driver calls: it is
                 # written here, first
-                job = partial(_in_turn, self.packs_durable, partial(write_record, self.ctx, ckpt_id, args, manifests, added, facts, when))
+                job = partial(write_record, self.ctx, ckpt_id, args, manifests, added, facts, when, self.packs_durable)
                 if len(facts.chunks) > _RECORD_ALONGSIDE:
                     job()
                     return _nothing

@@ -10,7 +10,7 @@ no visible checkpoint; gc deletes it after the grace period, like the commit's p
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..blobstore import BlobStore
@@ -34,17 +34,20 @@ def write_checkpoint_record(
     stored_bytes_added: int,
     facts: RecordFacts | None = None,
     committed_at: Any = None,
+    before_publish: Callable[[], object] | None = None,
 ) -> CheckpointRecord:
     """Write pending checkpoint ``ckpt_id``'s record, durably, with ``committed_at`` (now, when
     None) as its commit time; the caller makes the checkpoint visible with that same time
     (``rec.committed_at``). ``facts``: the catalog's facts of it, when the caller read them
-    already (else they are read here)."""
+    already (else they are read here). ``before_publish``: what must finish before the record
+    appears (a commit's packs being made durable); the record's bytes are written, and made
+    durable where the store can, meanwhile (:meth:`~ckstore.blobstore.BlobStore.put`)."""
     when = committed_at if committed_at is not None else utcnow()
     rec = record_from_catalog(
         catalog, ckpt_id, committed_at=when, metrics=metrics, tags=tags, entries=entries,
         stored_bytes_added=stored_bytes_added, facts=facts,
     )  # fmt: skip
-    blobs.put(rec.key, rec.to_bytes())  # durable before the catalog's finish transaction
+    blobs.put(rec.key, rec.to_bytes(), before_publish=before_publish)  # durable before the catalog's finish transaction
     return rec
 
 

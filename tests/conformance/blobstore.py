@@ -104,6 +104,24 @@ class BlobStoreConformance:
         assert not blobs.exists("big-failed")
         assert list(blobs.list()) == []
 
+    def test_put_runs_before_publish_once_the_bytes_are_written_and_before_the_object_appears(
+        self, blobs: BlobStore
+    ) -> None:
+        seen: list[bool] = []
+        blobs.put("records/checkpoints/ab/r", b"record bytes", before_publish=lambda: seen.append(blobs.exists("records/checkpoints/ab/r")))
+        assert seen == [False] and blobs.read("records/checkpoints/ab/r") == b"record bytes"
+
+    def test_a_failed_before_publish_leaves_nothing(self, blobs: BlobStore) -> None:
+        def fail() -> None:
+            raise RuntimeError("a pack could not be made durable")
+
+        with pytest.raises(RuntimeError, match="could not be made durable"):
+            blobs.put("records/checkpoints/ab/r", b"record bytes", before_publish=fail)
+        assert not blobs.exists("records/checkpoints/ab/r") and list(blobs.list()) == []
+        with pytest.raises(ValueError, match="before_publish"):
+            blobs.put("ckstore.json", b"x", exclusive=True, before_publish=fail)
+        assert not blobs.exists("ckstore.json")
+
     def test_writing_a_key_again_is_harmless(self, blobs: BlobStore) -> None:
         blobs.put("same", b"abc")
         blobs.put("same", b"abc")
