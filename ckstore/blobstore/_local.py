@@ -101,7 +101,7 @@ _FLUSH_EVERY = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
 _UNLOADED: Any = object()
 #: the names of the fan-out folders (see :meth:`LocalBlobStore._make_folder`)
-_FAN_OUT = frozenset(f"{i:02x}" for i in range(256))
+_FAN_OUT = tuple(f"{i:02x}" for i in range(256))
 _sync_file_range_fn: Any = _UNLOADED
 
 
@@ -198,8 +198,7 @@ class LocalBlobStore(BlobStore):
             return
         above, name = os.path.split(folder)
         self._make_folder(above)
-        names = [f"{i:02x}" for i in range(256)] if len(name) == 2 and name in _FAN_OUT else [name]
-        for n in names:
+        for n in _FAN_OUT if name in _FAN_OUT else (name,):
             try:
                 os.mkdir(os.path.join(above, n))
             except FileExistsError:  # another writer made it meanwhile, or a sibling was there

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -320,18 +320,11 @@ def encode_ahead(
         return {}
     wanted = None if hint.places is None else set(hint.places)
     picked: dict[bytes, tuple[memoryview, int]] = {}
-    for st in staged:
-        n = st.data.nbytes
-        if n < SMALL_CHUNK:  # (an optimizer state's thousands of small tensors: one test each)
-            continue
-        e = entries[st.entry]
-        for ci, d in enumerate(st.digests):
-            if min(chunk_size, n - ci * chunk_size) < SMALL_CHUNK or d in picked:
-                continue
-            if wanted is None or (e.rank, e.sub_key, st.path, ci) in wanted:
-                picked[d] = (st.data if n <= chunk_size else st.chunk(ci, chunk_size), st.itemsize)
-                if len(picked) == min(threads, AHEAD):
-                    return {d: pool.submit(_whole, raw, k, level) for d, (raw, k) in picked.items()}
+    for place, d, st, ci in _large_places(entries, staged, chunk_size):
+        if d not in picked and (wanted is None or place in wanted):
+            picked[d] = (st.data if st.data.nbytes <= chunk_size else st.chunk(ci, chunk_size), st.itemsize)
+            if len(picked) == min(threads, AHEAD):
+                return {d: pool.submit(_whole, raw, k, level) for d, (raw, k) in picked.items()}
     # fewer: write_missing may well encode them in its own thread (a lone large chunk)
     return {}
 
@@ -342,17 +335,27 @@ def written_places(
     """The places of the first :data:`AHEAD` large chunks in ``written``, in order (for
     :meth:`AheadHint.remember`)."""
     out: list[tuple[int, str, str, int]] = []
+    for place, d, _, _ in _large_places(entries, staged, chunk_size):
+        if d in written:
+            out.append(place)
+            if len(out) == AHEAD:
+                break
+    return out
+
+
+def _large_places(
+    entries: Sequence[PreparedEntry], staged: Sequence[StagedTensor], chunk_size: int
+) -> Iterator[tuple[tuple[int, str, str, int], bytes, StagedTensor, int]]:
+    """Every large chunk (at least :data:`SMALL_CHUNK`) in order: its place (rank,
+    sub-checkpoint, path, chunk index), digest, staged tensor and index."""
     for st in staged:
         n = st.data.nbytes
-        if n < SMALL_CHUNK:
+        if n < SMALL_CHUNK:  # (an optimizer state's thousands of small tensors: one test each)
             continue
         e = entries[st.entry]
         for ci, d in enumerate(st.digests):
-            if d in written and min(chunk_size, n - ci * chunk_size) >= SMALL_CHUNK:
-                out.append((e.rank, e.sub_key, st.path, ci))
-                if len(out) == AHEAD:
-                    return out
-    return out
+            if min(chunk_size, n - ci * chunk_size) >= SMALL_CHUNK:
+                yield (e.rank, e.sub_key, st.path, ci), d, st, ci
 
 
 def write_missing(

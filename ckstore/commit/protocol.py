@@ -333,7 +333,7 @@ class StagedCommit:
                     held.setdefault(d, min(cs, n - i * cs))  # chunk i's length
             if self.ctx.delta is not None:
                 self.bases = self.ctx.delta.candidates(self._places())
-            elif g.size == 1 and self.ctx.ahead is not None:  # the likely missing ones encode during the claim
+            elif g.size == 1 and self.ctx.ahead is not None:  # likely missing ones encode during the claim
                 self.ahead = _stage.encode_ahead(
                     self.entries, self.staged, cs, self.cfg.compression_level, self.pool, self.ctx.workers, self.ctx.ahead
                 )
@@ -506,10 +506,10 @@ class StagedCommit:
             def record(added: int, facts: RecordFacts) -> Callable[[], object]:
                 # the checkpoint's record in the blob store: its bytes written and made durable
                 # while the packs are, in place once every pack is durable (a durable record
-                # names only durable chunks), before the finishing transaction's COMMIT. A small record is written on the pool while the transaction's statements
-                # run (its time is the disk's); a large one is mostly Python encoding it, which
-                # would hold the GIL the statements wait for between their driver calls: it is
-                # written here, first
+                # names only durable chunks), before the finishing transaction's COMMIT. A small
+                # record is written on the pool while the transaction's statements run (its time
+                # is the disk's); a large one is mostly Python encoding it, which would hold the
+                # GIL the statements wait for between their driver calls: it is written here, first
                 job = partial(write_record, self.ctx, ckpt_id, args, manifests, added, facts, when, self.packs_durable)
                 if len(facts.chunks) > _RECORD_ALONGSIDE:
                     job()

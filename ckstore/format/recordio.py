@@ -47,7 +47,8 @@ def write_checkpoint_record(
         catalog, ckpt_id, committed_at=when, metrics=metrics, tags=tags, entries=entries,
         stored_bytes_added=stored_bytes_added, facts=facts,
     )  # fmt: skip
-    blobs.put(rec.key, rec.to_bytes(), before_publish=before_publish)  # durable before the catalog's finish transaction
+    # durable before the catalog's finish transaction
+    blobs.put(rec.key, rec.to_bytes(), before_publish=before_publish)
     return rec
 
 

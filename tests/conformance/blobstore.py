@@ -107,9 +107,10 @@ class BlobStoreConformance:
     def test_put_runs_before_publish_once_the_bytes_are_written_and_before_the_object_appears(
         self, blobs: BlobStore
     ) -> None:
+        key = "records/checkpoints/ab/r"
         seen: list[bool] = []
-        blobs.put("records/checkpoints/ab/r", b"record bytes", before_publish=lambda: seen.append(blobs.exists("records/checkpoints/ab/r")))
-        assert seen == [False] and blobs.read("records/checkpoints/ab/r") == b"record bytes"
+        blobs.put(key, b"record bytes", before_publish=lambda: seen.append(blobs.exists(key)))
+        assert seen == [False] and blobs.read(key) == b"record bytes"
 
     def test_a_failed_before_publish_leaves_nothing(self, blobs: BlobStore) -> None:
         def fail() -> None:
