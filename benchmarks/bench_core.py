@@ -451,7 +451,8 @@ def workload_report(
 LOAD_NOTE = (
     "Loads are timed until the call returns. safetensors' load_file maps the file copy-on-write: "
     "pages it did not read yet are read on first use, after the timing (its small load peak shows "
-    "it). Peaks are resident memory above the process's before the call, sampled every 2 ms."
+    "it). Peaks are resident memory above the process's before the call: the kernel's own peak "
+    "(VmHWM, reset as the call starts) on Linux, sampled every 2 ms elsewhere."
 )
 
 
