@@ -452,7 +452,7 @@ LOAD_NOTE = (
     "Loads are timed until the call returns. safetensors' load_file maps the file copy-on-write: "
     "pages it did not read yet are read on first use, after the timing (its small load peak shows "
     "it). Peaks are resident memory above the process's before the call: the kernel's own peak "
-    "(VmHWM, reset as the call starts) on Linux, sampled every 2 ms elsewhere."
+    "(VmHWM, reset as the call starts), or sampled every 2 ms where that cannot be reset."
 )
 
 

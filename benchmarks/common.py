@@ -52,39 +52,37 @@ def _peak_rss() -> int:
 def measure() -> Iterator[Measure]:
     """Time a block and measure its peak resident memory.
 
-    On Linux the kernel keeps the peak exactly (its ``VmHWM``, reset to the current resident
-    memory when the block starts), so nothing runs beside the block. Elsewhere a thread samples
-    the resident memory every 2 ms; that thread wakes 500 times a second and takes the GIL each
-    time, which slowed the timed calls (measured on this project's 2-core machine: 11% on a
-    commit of an Adam state, 30% on `torch.load` of it), and a peak between two samples is missed.
+    The kernel keeps the peak exactly (its ``VmHWM``, reset to the current resident memory when
+    the block starts), so nothing runs beside the block. Where it cannot be reset (Linux before
+    4.0, ``/proc/self/clear_refs`` not writable) a thread samples the resident memory every 2 ms
+    instead; that thread wakes 500 times a second and takes the GIL each time, which slowed the
+    timed calls (measured on this project's 2-core machine: 11% on a commit of an Adam state,
+    30% on `torch.load` of it), and a peak between two samples is missed.
     """
     m = Measure()
     base = rss()
-    if _reset_peak():
-        start = time.perf_counter()
-        try:
-            yield m
-        finally:
-            m.seconds = time.perf_counter() - start
-            m.peak_extra = max(0, max(_peak_rss(), rss()) - base)
-        return
     peak = [base]
     stop = threading.Event()
+    sampler = None
+    if not _reset_peak():
 
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss())
-            stop.wait(0.002)
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], rss())
+                stop.wait(0.002)
 
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
     start = time.perf_counter()
     try:
         yield m
     finally:
         m.seconds = time.perf_counter() - start
-        stop.set()
-        t.join()
+        if sampler is None:
+            peak[0] = _peak_rss()
+        else:
+            stop.set()
+            sampler.join()
         m.peak_extra = max(0, max(peak[0], rss()) - base)
 
 
