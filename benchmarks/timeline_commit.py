@@ -14,7 +14,10 @@ Two measurements of the 4 MiB state (four fp32 matrices of 1 MiB, bench_core's `
   fdatasync, rename and folder fsync; the checkpoint's record (a small file, the same way); and
   one durable SQLite transaction (WAL, ``synchronous=FULL``) recording four chunks and the
   checkpoint. Against ``torch.save`` + fsync of the same tensors, alternating, the median of
-  ``--floor-rounds`` each.
+  ``--floor-rounds`` each. Also the same I/O with the pack written over a file an earlier pack
+  left (renamed into ``tmp/``, overwritten from the start, truncated to its new length): what
+  recycling the files gc releases instead of deleting them would save a commit (ckstore does
+  not do this); and gc's part, deleting a pack file against renaming it aside for reuse.
 
     python benchmarks/timeline_commit.py
 """
@@ -152,26 +155,37 @@ def floor(rounds: int, where: str) -> None:
     record = rng.bytes(1500)
     sd = state()
 
-    def durable_file(parts: list[Any], folder: str) -> None:
+    def durable_file(parts: list[Any], folder: str, over: Path | None = None) -> Path:
+        """Write ``parts`` durably into a new file of ``folder``: a fresh temp file, or the file
+        ``over`` (an earlier pack set aside), overwritten from the start and cut to length."""
         tmp = root / "tmp" / uuid.uuid4().hex
-        with open(tmp, "xb", buffering=0) as f:
+        if over is not None:
+            os.replace(over, tmp)
+        with open(tmp, "xb" if over is None else "r+b", buffering=0) as f:
             pos = 0
             for part in parts:
                 f.write(part)
                 if start_writeback is not None:
                     start_writeback(f.fileno(), ctypes.c_int64(pos), ctypes.c_int64(len(part)), 2)
                 pos += len(part)
+            if over is not None:
+                f.truncate(pos)
             os.fdatasync(f.fileno())
-        os.replace(tmp, root / folder / uuid.uuid4().hex)
+        dest = root / folder / uuid.uuid4().hex
+        os.replace(tmp, dest)
         _local._fsync_dir(str(root / folder))  # the local store's own
+        return dest
 
-    def ckstore_io(step: int) -> None:
-        durable_file(frames, "packs/ab")
+    aside: list[Path] = []  # pack files set aside for reuse (as if a gc had released them)
+
+    def ckstore_io(step: int, reuse: bool = False) -> Path:
+        pack = durable_file(frames, "packs/ab", aside.pop() if reuse else None)
         durable_file([record], "records/cd")
         db.execute("BEGIN IMMEDIATE")
         db.executemany("INSERT INTO chunks VALUES (?, 1, ?, ?)", [(os.urandom(16), i, 1) for i in range(4)])
         db.execute("INSERT INTO checkpoints (step, visible) VALUES (?, 1)", (step,))
         db.execute("COMMIT")
+        return pack
 
     def torch_save() -> None:
         with open(root / "state.pt", "wb") as f:
@@ -179,13 +193,32 @@ def floor(rounds: int, where: str) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    times: dict[str, list[float]] = {"a commit's I/O alone": [], "torch.save + fsync": []}
+    fresh, over = "a commit's I/O alone", "the same, its pack written over an earlier pack's file"
+    unlink, aside_gc = "gc: delete a pack file", "gc: rename a pack file aside for reuse"
+    times: dict[str, list[float]] = {fresh: [], over: [], "torch.save + fsync": [], unlink: [], aside_gc: []}
+    os.makedirs(root / "aside", exist_ok=True)
+    for _ in range(4):  # files to reuse from the first round on
+        aside.append(ckstore_io(-1))
     for i in range(rounds):
-        order = [("a commit's I/O alone", lambda: ckstore_io(i)), ("torch.save + fsync", torch_save)]
-        for name, fn in order if i % 2 else order[::-1]:
+        written: dict[str, Path] = {}
+        order = [
+            (fresh, lambda: written.__setitem__(fresh, ckstore_io(i))),
+            (over, lambda: written.__setitem__(over, ckstore_io(i, reuse=True))),
+            ("torch.save + fsync", torch_save),
+        ]
+        for name, fn in order[i % 3 :] + order[: i % 3]:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
+        # gc's part: one pack file deleted, the other set aside (keeping as many aside as before)
+        t = time.perf_counter()
+        os.unlink(written[over])
+        times[unlink].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        dest = root / "aside" / written[fresh].name
+        os.replace(written[fresh], dest)
+        times[aside_gc].append(time.perf_counter() - t)
+        aside.append(dest)
     db.close()
     ref = statistics.median(times["torch.save + fsync"])
     rows = [[k, f"{statistics.median(v) * 1e3:.2f}", f"{statistics.median(v) / ref:.2f}x"] for k, v in times.items()]
