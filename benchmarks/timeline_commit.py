@@ -193,17 +193,17 @@ def floor(rounds: int, where: str) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    fresh, over = "a commit's I/O alone", "the same, its pack written over an earlier pack's file"
+    fresh_io, reused_io = "a commit's I/O alone", "the same, its pack written over an earlier pack's file"
     unlink, aside_gc = "gc: delete a pack file", "gc: rename a pack file aside for reuse"
-    times: dict[str, list[float]] = {fresh: [], over: [], "torch.save + fsync": [], unlink: [], aside_gc: []}
+    times: dict[str, list[float]] = {fresh_io: [], reused_io: [], "torch.save + fsync": [], unlink: [], aside_gc: []}
     os.makedirs(root / "aside", exist_ok=True)
     for _ in range(4):  # files to reuse from the first round on
         aside.append(ckstore_io(-1))
     for i in range(rounds):
         written: dict[str, Path] = {}
         order = [
-            (fresh, lambda: written.__setitem__(fresh, ckstore_io(i))),
-            (over, lambda: written.__setitem__(over, ckstore_io(i, reuse=True))),
+            (fresh_io, lambda: written.__setitem__(fresh_io, ckstore_io(i))),
+            (reused_io, lambda: written.__setitem__(reused_io, ckstore_io(i, reuse=True))),
             ("torch.save + fsync", torch_save),
         ]
         for name, fn in order[i % 3 :] + order[: i % 3]:
@@ -212,11 +212,11 @@ def floor(rounds: int, where: str) -> None:
             times[name].append(time.perf_counter() - t)
         # gc's part: one pack file deleted, the other set aside (keeping as many aside as before)
         t = time.perf_counter()
-        os.unlink(written[over])
+        os.unlink(written[reused_io])
         times[unlink].append(time.perf_counter() - t)
         t = time.perf_counter()
-        dest = root / "aside" / written[fresh].name
-        os.replace(written[fresh], dest)
+        dest = root / "aside" / written[fresh_io].name
+        os.replace(written[fresh_io], dest)
         times[aside_gc].append(time.perf_counter() - t)
         aside.append(dest)
     db.close()
