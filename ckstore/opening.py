@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, open_blobstore
+from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, is_local_url, open_blobstore
 from .catalog import Catalog
 from .config import CONFIG_KEY, StoreConfig
 from .errors import AlreadyExistsError, StoreConfigError
@@ -54,6 +54,7 @@ def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
     storage_options: Mapping[str, Any] | None = None,
     delta_chain: int = 0,
     delta_memory: int | None = None,
+    recycle_bytes: int | None = None,
     **settings: Any,
 ) -> Store:
     """Open (or create) the store at ``location``: a local path or any fsspec URL.
@@ -69,8 +70,17 @@ def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
     model and optimizer state one training step apart; for jobs that checkpoint every step or
     so), through chains of at most that many deltas; ``delta_memory`` bounds the bytes of the
     previous commit kept in memory for it (1 GiB by default). Any ckstore reads deltas.
+
+    ``recycle_bytes`` (local folders) bounds the bytes of pack files this store object's gc
+    releases that are kept in the store's ``tmp/`` for later commits to write over instead of
+    deleted (256 MiB by default; 0: delete them, and let gc delete those already kept). Writing
+    over a file costs the disk less than a fresh one; ``ckstore gc`` opens with 0.
     """
+    if recycle_bytes is not None:
+        _check_recycle_bytes(recycle_bytes, os.fspath(location))
     store = _open(os.fspath(location), catalog, run, create, False, workers, storage_options, settings)
+    if recycle_bytes is not None and store.blobs.is_local:
+        store.blobs.recycle_bytes = recycle_bytes
     if delta_chain or delta_memory is not None:
         try:
             store.write_deltas(delta_chain, delta_memory)
@@ -78,6 +88,16 @@ def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
             store.close()
             raise
     return store
+
+
+def _check_recycle_bytes(recycle_bytes: object, location: str) -> None:
+    if not isinstance(recycle_bytes, int) or isinstance(recycle_bytes, bool) or recycle_bytes < 0:
+        raise StoreConfigError(f"recycle_bytes must be a number of bytes (an int >= 0), got {recycle_bytes!r}")
+    if recycle_bytes and not is_local_url(location):
+        raise StoreConfigError(
+            f"recycle_bytes applies to local folders; {redact(location)} is an object store, which "
+            "deletes the packs gc releases"
+        )
 
 
 def _open(

@@ -681,5 +681,5 @@ class Store:
         checkpoint alone holds, per run (and per checkpoint of ``run``, or of every run)."""
         from .maintenance import du as _du
 
-        return _du.usage(self.catalog, run)
+        return _du.usage(self.catalog, run, self.blobs)
 

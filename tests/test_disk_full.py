@@ -47,6 +47,8 @@ def test_commit_into_a_full_file_system_fails_cleanly(small_fs: Path, tmp_path: 
     assert rep.packs_deleted + len(rep.orphans_deleted) + rep.temp_files_deleted > 0
     used_after_gc = sum(f.stat().st_size for f in (small_fs / "store").rglob("*") if f.is_file())
     assert used_after_gc <= used_before
+    # the failed commit's packs were deleted, not kept for recycling: the disk was nearly full
+    assert s.blobs.recycle_bytes > 0 and s.blobs.recycled() == (0, 0) and s.blobs.stats.recycled == 0
     assert len(list(s.blobs.list(CHECKPOINTS_PREFIX))) == 1
     assert s.fsck(deep=True).ok
     assert_same(s.checkout(1), first)

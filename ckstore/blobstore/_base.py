@@ -16,7 +16,9 @@ Contract for every implementation
   ``If-None-Match: *`` on S3). Stores use it for their config object, so two processes creating
   one store at once agree on its settings.
 * :meth:`BlobStore.read` returns exactly the bytes asked for or raises
-  :class:`BlobNotFoundError` / :class:`~ckstore.errors.BlobStoreError`.
+  :class:`BlobNotFoundError` / :class:`~ckstore.errors.BlobStoreError`. A read that overlaps the
+  delete of its object returns the object's bytes or raises :class:`BlobNotFoundError`, never
+  other bytes (a local folder recycles released pack files for later packs, and checks).
 * :meth:`BlobStore.delete` ignores keys that are already gone, and refuses (with
   :class:`NotOwnedError`, before deleting any key of the call) every key outside the namespaces
   ckstore owns, :data:`OWNED_PREFIXES`: a catalog row naming ``ckstore.json`` or a foreign object
@@ -97,6 +99,8 @@ class BlobStats:
             self.bytes_written = 0
             self.deletes = 0
             self.lists = 0
+            self.recycled = 0  # deleted pack files kept for later packs (a local folder)
+            self.reused = 0  # objects written over such a file
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -112,6 +116,8 @@ class BlobStats:
                 "bytes_written": self.bytes_written,
                 "deletes": self.deletes,
                 "lists": self.lists,
+                "recycled": self.recycled,
+                "reused": self.reused,
             }
 
 
@@ -151,6 +157,9 @@ class BlobStore(ABC):
     write_concurrency: int = 1
     #: True when :meth:`read_into` reads straight into the caller's buffer (no bytes in between)
     reads_into: bool = False
+    #: The most bytes of released pack objects a delete keeps for later writes to reuse (a local
+    #: folder's recycled files); 0 where the backend does not recycle
+    recycle_bytes: int = 0
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -231,6 +240,11 @@ class BlobStore(ABC):
 
     def exists(self, key: str) -> bool:
         return self._exists(key)
+
+    def recycled(self) -> tuple[int, int]:
+        """How many released pack files the store keeps for later packs to be written over, and
+        their bytes (a local folder's ``tmp/*.free``); ``(0, 0)`` where the backend keeps none."""
+        return 0, 0
 
     # -- for implementers ------------------------------------------------------------
     @abstractmethod

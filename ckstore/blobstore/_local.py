@@ -6,6 +6,22 @@ from the moment it exists until it is renamed into place or removed. The stale-t
 file it cannot lock, and removes a file only while holding its lock, so however long a live
 writer stalls, gc never deletes its temp file; a killed writer's lock dies with it. On a file
 system without working locks (some FUSE mounts) the grace period is the only protection.
+
+Pack files a delete releases are *recycled*: up to :attr:`LocalBlobStore.recycle_bytes` of them
+(and :data:`RECYCLE_FILES` files) are renamed into ``tmp/`` as ``<random>.free`` instead of
+unlinked, and a later pack is written over one of them (claimed by taking its ``flock`` and
+renaming it to a ``.part`` temp file, so two writers never share a file; truncated to the new
+length). Overwriting blocks a file already holds costs the disk less than allocating fresh ones,
+and renaming a file costs less than unlinking it, whose extents ext4 frees in the call: measured
+on this project's test machine, a 4 MiB pack's write and ``fdatasync`` 15.3 ms fresh against 11.8
+ms recycled, and an unlink 3.8 ms against 0.2 ms for the rename (``benchmarks/timeline_commit.py``).
+Recycled files never hold so much that the file system has less than the bound left free, so a
+nearly full disk gets its space back from gc. A file with another hard link (a ``cp -al`` backup of the store) is never
+recycled. A read that
+overlaps the release of its object checks afterwards that the key still names the file it read,
+so it returns the old bytes or raises :class:`BlobNotFoundError`, never a later pack's bytes.
+The stale-temp sweep removes recycled files beyond the bound (all of them with a bound of 0, as
+``ckstore gc`` opens the store).
 """
 
 from __future__ import annotations
@@ -13,6 +29,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import sys
 import threading
 import uuid
@@ -32,10 +49,19 @@ from ._base import (
     check_key,
 )
 
-__all__ = ["LocalBlobStore"]
+__all__ = ["DEFAULT_RECYCLE_BYTES", "RECYCLE_FILES", "LocalBlobStore"]
 
 #: Files a delete unlinks at once (see :meth:`LocalBlobStore._delete`)
 _UNLINK_THREADS = 4
+#: The bytes of released pack files a local store keeps for later packs to be written over,
+#: unless :func:`ckstore.open` says otherwise (``recycle_bytes``); four default-sized packs
+DEFAULT_RECYCLE_BYTES = 256 << 20
+#: At most this many recycled files are kept, whatever their size
+RECYCLE_FILES = 64
+#: The suffix of a recycled file in ``tmp/`` (a temp file being written ends in ``.part``)
+_FREE = ".free"
+#: Keys whose files are recycled, and whose writers take a recycled file
+_RECYCLED_PREFIX = "packs/"
 
 
 class _Flusher:
@@ -139,11 +165,16 @@ class LocalBlobStore(BlobStore):
     write_concurrency = 2
     reads_into = True
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, fsync: bool = True, recycle_bytes: int = DEFAULT_RECYCLE_BYTES
+    ) -> None:
         self.root = os.path.abspath(os.fspath(root))
         super().__init__(self.root)
         self.fsync = fsync
+        #: the most bytes of released pack files kept in ``tmp/`` for later packs (0: unlink them)
+        self.recycle_bytes = recycle_bytes
         self._tmp = os.path.join(self.root, "tmp")
+        self._locks = True  # False once a lock was refused: this file system has none, never recycle
         os.makedirs(self._tmp, exist_ok=True)
 
     def _path(self, key: str) -> str:
@@ -158,21 +189,71 @@ class LocalBlobStore(BlobStore):
             tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
             f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed by the caller
             try:
-                if not _lock(f.fileno(), wait=True) or _same_file(tmp, f.fileno()):
+                if not _lock(f.fileno(), wait=True):
+                    self._locks = False
+                    return tmp, f
+                if _same_file(tmp, f.fileno()):
                     return tmp, f
             except BaseException:
                 f.close()
                 raise
             f.close()
 
+    def _claim_recycled(self) -> tuple[str, IO[bytes]] | None:
+        """A recycled file, locked and renamed to a new ``.part`` temp file, open for writing
+        from its start; None when there is none to take. A file another writer (or the sweep)
+        holds is skipped; one that gained a hard link since it was released loses this name
+        (the other keeps its bytes)."""
+        if not self._locks:
+            return None
+        try:
+            names = [n for n in os.listdir(self._tmp) if n.endswith(_FREE)]
+        except FileNotFoundError:
+            return None
+        for name in names:
+            path = os.path.join(self._tmp, name)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError:  # taken meanwhile (gone), or not a plain file of ours
+                continue
+            try:
+                try:
+                    if not _lock(fd, wait=False):
+                        self._locks = False
+                        os.close(fd)
+                        return None
+                except BlockingIOError:  # another writer is claiming it
+                    os.close(fd)
+                    continue
+                st = os.fstat(fd)
+                if not _same_file(path, fd) or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    if _same_file(path, fd):
+                        _unlink(path)
+                    os.close(fd)
+                    continue
+                tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
+                os.rename(path, tmp)  # under the lock: no other claimer got past _same_file
+                self.stats.add(reused=1)
+                return tmp, open(fd, "r+b", buffering=0)  # noqa: SIM115 - closed by the caller
+            except BaseException:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                raise
+        return None
+
     @contextmanager
     def _writer(self, key: str) -> Iterator[IO[bytes]]:
         path = self._path(key)
-        tmp, f = self._open_temp()
+        claimed = self._claim_recycled() if key.startswith(_RECYCLED_PREFIX) else None
+        tmp, f = claimed if claimed is not None else self._open_temp()
         flusher = _Flusher(f) if self.fsync else None
         try:
             try:
                 yield flusher if flusher is not None else f  # type: ignore[misc]
+                if claimed is not None:  # the recycled file may be longer than what was written
+                    f.truncate(f.tell())
                 if flusher is not None:
                     flusher.finish()
                 parent = os.path.dirname(path)
@@ -231,14 +312,15 @@ class LocalBlobStore(BlobStore):
             with open(path, "rb", buffering=0) as f:
                 if start:
                     f.seek(start)
-                if end is None:
-                    return f.read()
-                data = f.read(end - start)
+                data = f.read() if end is None else f.read(end - start)
+                _check_unreleased(path, f.fileno(), key, self.url)
+        except BlobStoreError:
+            raise
         except FileNotFoundError as e:
             raise BlobNotFoundError(f"no object {key!r} in {self.url}") from e
         except OSError as e:
             raise BlobStoreError(f"reading {key!r} in {self.url} failed: {e}") from e
-        if len(data) != end - start:
+        if end is not None and len(data) != end - start:
             raise BlobStoreError(
                 f"object {key!r} in {self.url} is shorter than expected: wanted bytes "
                 f"[{start}, {end}), got {len(data)}"
@@ -256,24 +338,32 @@ class LocalBlobStore(BlobStore):
         try:
             done = 0
             while done < out.nbytes:
-                n = os.preadv(fd, [out[done:]], start + done)
+                n = self._pread(fd, out[done:], start + done)
                 if n == 0:
                     raise BlobStoreError(
                         f"object {key!r} in {self.url} is shorter than expected: wanted bytes "
                         f"[{start}, {start + out.nbytes}), got {done}"
                     )
                 done += n
+            _check_unreleased(path, fd, key, self.url)
+        except BlobStoreError:
+            raise
         except OSError as e:
             raise BlobStoreError(f"reading {key!r} in {self.url} failed: {e}") from e
         finally:
             os.close(fd)
 
+    def _pread(self, fd: int, out: memoryview, offset: int) -> int:
+        """One ``preadv`` of a read (a seam for tests that must act between a reader's open and
+        its read)."""
+        return os.preadv(fd, [out], offset)
+
     def _delete(self, keys: Sequence[str]) -> None:
         """Every key's folder is checked before any file goes, each folder once (gc deletes
-        hundreds of packs from the same few folders); the files are then unlinked on up to
-        :data:`_UNLINK_THREADS` threads (ext4 frees a file's extents in the ``unlink`` call:
-        about a millisecond for a 3 MiB pack on this project's test machine, 0.7 ms each with
-        four at a time)."""
+        hundreds of packs from the same few folders). Pack files are then recycled while the
+        bound allows (:meth:`_recycle`), and the rest unlinked on up to :data:`_UNLINK_THREADS`
+        threads (ext4 frees a file's extents in the ``unlink`` call: about a millisecond for a
+        3 MiB pack on this project's test machine, 0.7 ms each with four at a time)."""
         owned = [os.path.realpath(os.path.join(self.root, p.rstrip("/"))) for p in OWNED_PREFIXES]
         checked: set[str] = set()
         paths = []
@@ -290,6 +380,9 @@ class LocalBlobStore(BlobStore):
                     )
                 checked.add(folder)
             paths.append(path)
+        if self.recycle_bytes > 0 and self._locks:
+            kept = self._recycle([p for k, p in zip(keys, paths) if k.startswith(_RECYCLED_PREFIX)])
+            paths = [p for p in paths if p not in kept]
         if len(paths) < _UNLINK_THREADS:  # a few: not worth a thread hand-off
             for path in paths:
                 _unlink(path)
@@ -297,6 +390,70 @@ class LocalBlobStore(BlobStore):
         with TaskGroup("unlink", _UNLINK_THREADS) as pool:
             for fut in [pool.submit(_unlink, p) for p in paths]:
                 fut.result()
+
+    def _recycle(self, paths: Sequence[str]) -> set[str]:
+        """Rename files of ``paths`` into ``tmp/`` as recycled files while the recycled files stay
+        within :attr:`recycle_bytes` and :data:`RECYCLE_FILES` (two processes deleting at once may
+        overshoot a little; the sweep trims). Returns the paths handled (renamed, or already
+        gone); the caller unlinks the others: files with another hard link, files on another
+        file system than ``tmp/``, files over the bound."""
+        files, size = self.recycled()
+        limit = self._recycle_limit()
+        done: set[str] = set()
+        for path in paths:
+            if files >= RECYCLE_FILES:
+                break
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                done.add(path)
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or size + st.st_size > limit:
+                continue
+            try:
+                os.rename(path, os.path.join(self._tmp, f"{uuid.uuid4().hex}{_FREE}"))
+            except FileNotFoundError:  # another gc deleted it meanwhile
+                done.add(path)
+                continue
+            except OSError:  # another file system (a folder linked elsewhere): unlinked instead
+                continue
+            done.add(path)
+            files += 1
+            size += st.st_size
+            self.stats.add(recycled=1)
+        return done
+
+    def _recycle_limit(self) -> int:
+        """The most bytes recycled files may hold now: :attr:`recycle_bytes`, and no more than
+        leaves the file system as much again free, so that a nearly full disk gets its space back
+        from gc (under twice the bound free: less; under the bound: none)."""
+        try:
+            st = os.statvfs(self._tmp)
+        except OSError:
+            return 0
+        return max(0, min(self.recycle_bytes, st.f_bavail * st.f_frsize - self.recycle_bytes))
+
+    def recycled(self) -> tuple[int, int]:
+        """How many recycled files ``tmp/`` holds, and their bytes."""
+        spares = self._recycled_files()
+        return len(spares), sum(size for _, size, _ in spares)
+
+    def _recycled_files(self) -> list[tuple[str, int, float]]:
+        """``(path, size, mtime)`` of every recycled file, newest first."""
+        out = []
+        try:
+            names = [n for n in os.listdir(self._tmp) if n.endswith(_FREE)]
+        except FileNotFoundError:
+            return []
+        for name in names:
+            path = os.path.join(self._tmp, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            out.append((path, st.st_size, st.st_mtime))
+        out.sort(key=lambda t: t[2], reverse=True)
+        return out
 
     def _list(self, prefix: str) -> Iterator[BlobInfo]:
         rel = prefix.strip("/")
@@ -326,15 +483,25 @@ class LocalBlobStore(BlobStore):
         return os.path.isfile(self._path(key))
 
     def stale_temp_files(self, older_than: float) -> list[str]:
-        """Temp files older than ``older_than`` that no live writer holds."""
+        """Temp files older than ``older_than`` that no live writer holds, and the recycled
+        files beyond the bound (:meth:`_recycle_limit`, :data:`RECYCLE_FILES`; the oldest go
+        first) that no writer is claiming."""
         out = []
         for name in os.listdir(self._tmp):
+            if name.endswith(_FREE):
+                continue
             p = os.path.join(self._tmp, name)
             try:
                 if os.stat(p).st_mtime < older_than and _with_lock(p, lambda: None):
                     out.append(p)
             except FileNotFoundError:
                 pass
+        files, size, limit = 0, 0, self._recycle_limit()
+        for p, n, _ in self._recycled_files():
+            if files < RECYCLE_FILES and size + n <= limit:
+                files, size = files + 1, size + n
+            elif _with_lock(p, lambda: None):
+                out.append(p)
         return out
 
     def discard_temp_files(self, handles: Sequence[str]) -> int:
@@ -398,6 +565,14 @@ def _with_lock(path: str, action: Callable[[], None]) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _check_unreleased(path: str, fd: int, key: str, url: str) -> None:
+    """After reading ``fd``, opened as ``path``: raise :class:`BlobNotFoundError` unless ``path``
+    still names that file. A released pack file is renamed away before anything overwrites it,
+    and keys are never reused, so when the name still holds, the bytes read were the object's."""
+    if not _same_file(path, fd):
+        raise BlobNotFoundError(f"object {key!r} in {url} was deleted while it was being read")
 
 
 def _unlink(path: str) -> None:

@@ -64,11 +64,13 @@ class Ctx:
             raise click.UsageError("name the store with --store LOCATION or the CKSTORE_STORE environment variable")
         return self.location
 
-    def open(self, *, create: bool = False) -> Any:
+    def open(self, *, create: bool = False, recycle_bytes: int | None = None) -> Any:
         if self._store is None:
             import ckstore
 
-            self._store = ckstore.open(self.require_location(), catalog=self.catalog, run=self.run, create=create)
+            self._store = ckstore.open(
+                self.require_location(), catalog=self.catalog, run=self.run, create=create, recycle_bytes=recycle_bytes
+            )
         return self._store
 
 

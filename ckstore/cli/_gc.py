@@ -141,6 +141,11 @@ def render_gc(report: Any) -> None:
         f"{len(report.orphans_deleted)} orphans ({human_bytes(report.orphan_bytes_freed)}) and "
         f"{report.temp_files_deleted} stale temp files; {report.seconds:.2f}s"
     )
+    if report.recycled_files:
+        console.print(
+            f"{report.recycled_files} released pack files ({human_bytes(report.recycled_bytes)}) are kept for "
+            "later commits to write over (`ckstore gc` deletes them)"
+        )
 
 
 @click.command()
@@ -169,9 +174,11 @@ def gc(obj: Ctx, run_name: str | None, keep_last: int | None, keep_best: tuple[s
     With --keep-* rules, they replace the stored policy of RUN (or of every run) for this call;
     without, each run's stored policy applies (`ckstore policy set`), and a run with none keeps
     everything. A run's latest checkpoint is never dropped. Safe while training commits.
+    Pack files that a training process's own gc kept for its later commits to write over
+    (`tmp/*.free` in a local store) are deleted too.
     """
     policy = _policy(keep_last, keep_best, keep_every, keep_within, keep_tagged, keep_kind)
-    store = obj.open()
+    store = obj.open(recycle_bytes=0)
     with _progress() as progress:
         report = store.gc(
             policy, run=run_name, dry_run=dry_run, grace=_grace(grace), progress=progress,
@@ -369,6 +376,12 @@ def du(obj: Ctx, run: str | None, per_ckpt: bool, as_json: bool) -> None:
     console.print(
         f"pack objects hold {human_bytes(rep.pack_bytes)}; {human_bytes(rep.garbage_bytes)} of chunks no checkpoint "
         "references (the next gc frees them)"
+        + (
+            f"; {rep.recycled_files} released pack files ({human_bytes(rep.recycled_bytes)}) kept for later "
+            "commits to write over (`ckstore gc` deletes them)"
+            if rep.recycled_files
+            else ""
+        )
         + (
             f"; {human_bytes(rep.base_bytes)} of chunks no checkpoint references kept as the bases of delta chunks"
             if rep.base_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..blobstore import BlobStore
 from ..catalog import Catalog, Usage
 
 __all__ = ["DuReport", "Usage", "usage"]
@@ -28,10 +29,15 @@ class DuReport:
     garbage_bytes: int  # stored bytes of chunks no checkpoint references (the next gc frees them)
     #: stored bytes of chunks no checkpoint references, kept as the bases of deltas that are
     base_bytes: int = 0
+    #: released pack files kept on disk for later commits to write over (a local folder's
+    #: ``tmp/*.free``; ``recycle_bytes`` in :func:`ckstore.open`), and their bytes
+    recycled_files: int = 0
+    recycled_bytes: int = 0
 
 
-def usage(catalog: Catalog, run: str | None = None) -> DuReport:
-    """Usage of every run, and of every checkpoint (of ``run`` only, when given)."""
+def usage(catalog: Catalog, run: str | None = None, blobs: BlobStore | None = None) -> DuReport:
+    """Usage of every run, and of every checkpoint (of ``run`` only, when given); with ``blobs``,
+    the released pack files it keeps for reuse too."""
     u = catalog.usage(run)
     total = Usage(
         "(all)",
@@ -41,4 +47,5 @@ def usage(catalog: Catalog, run: str | None = None) -> DuReport:
         u.stored_bytes,
         u.stored_bytes + u.base_bytes,  # dropping everything frees what checkpoints reference, and bases
     )
-    return DuReport(total, u.runs, u.checkpoints, u.pack_bytes, u.garbage_bytes, u.base_bytes)
+    recycled = blobs.recycled() if blobs is not None else (0, 0)
+    return DuReport(total, u.runs, u.checkpoints, u.pack_bytes, u.garbage_bytes, u.base_bytes, *recycled)

@@ -12,6 +12,10 @@ says why each step is safe while other processes commit and read):
 3. delete the trashed objects, then their trash rows;
 4. delete orphan objects (no pack row, no trash row) and stale temp files older than the grace.
 
+A local folder keeps some of the pack files step 3 releases for later packs to be written over
+(``recycle_bytes`` in :func:`ckstore.open`, :mod:`ckstore.blobstore._local`); step 4 deletes
+those beyond the bound, every one of them where the bound is 0 (``ckstore gc``).
+
 The statements themselves are the catalog's (:class:`~ckstore.catalog.GcTransaction`); this
 module decides what to drop and reap, and deletes objects. A dry run does step 2 in a transaction it rolls back, so it reports exactly what
 a real run would do.
@@ -111,6 +115,11 @@ class GcReport:
     refused: tuple[str, ...] = ()
     records_deleted: int = 0  # records of checkpoints the catalog no longer has
     repack: Any = None  # a ckstore.maintenance.repack.RepackReport when asked to repack
+    #: released pack files the blob store keeps after this gc for later commits to write over
+    #: (a local folder's recycled files, ``recycle_bytes`` in :func:`ckstore.open`), and their
+    #: bytes: counted in ``pack_bytes_freed`` (no longer objects of the store) yet still on disk
+    recycled_files: int = 0
+    recycled_bytes: int = 0
 
     @property
     def dropped(self) -> list[str]:
@@ -389,6 +398,7 @@ def collect(
         _delete_objects(blobs, stale, "records", None)  # after their checkpoints' rows
         remove_temp_files(blobs, temps)
     trash_keys = [k for k in trash_keys if k not in set(refused)]
+    recycled = blobs.recycled() if not dry_run else (0, 0)
 
     return GcReport(
         dry_run=dry_run,
@@ -405,4 +415,6 @@ def collect(
         seconds=time.perf_counter() - t0,
         refused=tuple(refused),
         records_deleted=len(stale),
+        recycled_files=recycled[0],
+        recycled_bytes=recycled[1],
     )

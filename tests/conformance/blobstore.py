@@ -220,6 +220,7 @@ class BlobStoreConformance:
         blobs.read("packs/s/1", 1, 3)
         list(blobs.list("packs/s/"))
         blobs.delete(["packs/s/1"])
+        recycles = blobs.recycle_bytes > 0  # a local folder keeps the deleted pack's file
         assert blobs.stats.snapshot() == {
             "reads": 1,
             "bytes_read": 2,
@@ -227,4 +228,8 @@ class BlobStoreConformance:
             "bytes_written": 8,
             "deletes": 1,
             "lists": 1,
+            "recycled": int(recycles),
+            "reused": 0,
         }
+        blobs.put("packs/s/3", b"9")
+        assert blobs.stats.snapshot()["reused"] == int(recycles)
