@@ -15,6 +15,9 @@ modes, a fresh store with the retention policy ``LatestN(--keep-last) | BestN(--
 * ``async-delta``: ``async`` into a store opened with ``delta_chain=--delta-chain``: each changed
   chunk is stored as its XOR with the previous step's, where that is smaller;
 * ``async-gc-bg``: ``async``, its gcs as ``store.gc(blocking=False)`` (whatever ``--gc-in`` says);
+* ``async-fresh``: ``async`` into a store opened with ``recycle_bytes=0``: gc unlinks the pack
+  files it releases and every pack goes to a fresh file (``async`` writes its packs over the
+  files gc released, up to the default bound);
 * ``blocking``: ``store.commit(step, {0: trainer.state()}, {"loss": loss})`` after every step.
 
 Every ``--gc-every`` steps ``store.gc()`` applies the policy: in the training loop (the default,
@@ -63,12 +66,17 @@ MODES = {
     "async-changed": "commit(blocking=False, stage='changed') every step",
     "async-delta": "commit(blocking=False) every step, deltas",
     "async-gc-bg": "commit(blocking=False) every step, gc(blocking=False)",
+    "async-fresh": "commit(blocking=False) every step, no recycled pack files",
     "blocking": "commit() (blocking) every step",
 }
 
 
 def has_delta() -> bool:
     return "delta_chain" in inspect.signature(ckstore.open).parameters
+
+
+def has_recycle() -> bool:
+    return "recycle_bytes" in inspect.signature(ckstore.open).parameters
 
 
 def has_stage() -> bool:
@@ -130,8 +138,10 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, rnd: int) -> dict[
     store = gcs = None
     gc_in = "background" if mode == "async-gc-bg" else args.gc_in
     if mode != "none":
-        delta = {"delta_chain": args.delta_chain} if mode == "async-delta" else {}
-        store = ckstore.open(path, run=RUN, **delta)
+        opts: dict[str, Any] = {"delta_chain": args.delta_chain} if mode == "async-delta" else {}
+        if mode == "async-fresh":
+            opts["recycle_bytes"] = 0
+        store = ckstore.open(path, run=RUN, **opts)
         store.set_policy(RUN, LatestN(args.keep_last) | BestN(args.keep_best, "loss"))
         if gc_in == "thread":
             gcs = GcThread(path)
@@ -343,6 +353,9 @@ def main() -> None:
     if "async-delta" in modes and not has_delta():
         print("this ckstore writes no deltas: async-delta left out", file=sys.stderr)
         modes.remove("async-delta")
+    if "async-fresh" in modes and not has_recycle():
+        print("this ckstore recycles no pack files: async-fresh left out", file=sys.stderr)
+        modes.remove("async-fresh")
     if args.rounds < 1 or args.steps < 1 or args.gc_every < 1:
         ap.error("--rounds, --steps and --gc-every must be at least 1")
     # as the demo does, unless --threads says otherwise
