@@ -83,10 +83,13 @@ def has_stage() -> bool:
     return "stage" in inspect.signature(ckstore.Store.commit).parameters
 
 
-def stored_bytes(path: Path) -> int:
-    """Bytes on disk under ``path`` (SQLite's shared-memory index file left out)."""
+def stored_bytes(path: Path, recycled: bool = True) -> int:
+    """Bytes on disk under ``path`` (SQLite's shared-memory index file left out); without
+    ``recycled``, less the released pack files kept for later commits (``tmp/*.free``)."""
     return sum(
-        f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.name.endswith("-shm")
+        f.stat().st_size
+        for f in path.rglob("*")
+        if f.is_file() and not f.name.endswith("-shm") and (recycled or f.suffix != ".free")
     )
 
 
@@ -212,8 +215,9 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, rnd: int) -> dict[
         store.gc()  # untimed: what the policy keeps once everything landed
         r["kept"] = len(store.checkpoints(RUN))
         store.close()
-        r["store_end"] = stored_bytes(path)
-        r["largest"] = max(largest, r["store_end"])
+        r["store_end"] = stored_bytes(path, recycled=False)
+        r["recycled_end"] = stored_bytes(path) - r["store_end"]
+        r["largest"] = max(largest, r["store_end"] + r["recycled_end"])
         shutil.rmtree(path, ignore_errors=True)
     return r
 
@@ -261,6 +265,7 @@ def report(
                 f"{r['final_wait']:.2f}" if ck else "-",
                 f"{r['kept']:.0f}" if ck else "-",
                 mib(r["store_end"]) if ck else "-",
+                mib(r["recycled_end"]) if ck else "-",
                 mib(r["largest"]) if ck else "-",
                 mib(r["logical"]) if ck else "-",
                 f"{r['store_end'] / r['logical']:.2f}x" if ck else "-",
@@ -279,6 +284,7 @@ def report(
         "final wait s",
         "kept",
         "store MiB at end",
+        "recycled MiB at end",
         "largest MiB (before a gc)",
         "one checkpoint MiB",
         "store / checkpoint",
@@ -299,18 +305,20 @@ def report(
             "thread": "in a background thread with its own store handle",
         }[args.gc_in]
         + (" (async-gc-bg: as store.gc(blocking=False))" if "async-gc-bg" in med and args.gc_in != "background" else "")
-        + "; 'largest MiB' is the store's size right before a gc, its peak"
+        + "; 'largest MiB' is the store's size right before a gc, its peak, recycled files included"
         + "; total = the steps, the commit calls, gc and the wait for commits still in flight at "
         "the end; 'in training steps' is the total less the rest: when it grows over no "
         "checkpointing's, the commits' background threads slowed the steps down (CPU contention); "
         "'median step ms' is the median training step alone, the figure least moved by other "
         "work on the machine. 'one checkpoint MiB' is the logical size of one checkpoint (its tensors' bytes); "
         "'store MiB at end' is every file of the store after a last gc once every commit landed "
-        "(packs, checkpoint records, the SQLite catalog); 'stored MiB per step' is the chunk bytes "
+        "(packs, checkpoint records, the SQLite catalog), and 'recycled MiB at end' the pack files "
+        "that gc released and kept for later commits to write over (tmp/*.free; bounded by "
+        "recycle_bytes; `ckstore gc` deletes them); 'stored MiB per step' is the chunk bytes "
         "each commit added (compressed, after dedup).",
     ]  # fmt: skip
     if base:
-        for m in ("async", "async-changed", "async-delta", "async-gc-bg", "blocking"):
+        for m in ("async", "async-changed", "async-delta", "async-gc-bg", "async-fresh", "blocking"):
             if m in med:
                 s = med[m]["total"] / base - 1
                 verdict = "meets" if s < TARGET_SLOWDOWN else "misses"
