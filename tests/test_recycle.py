@@ -101,6 +101,15 @@ def test_recycling_keeps_to_its_bounds(tmp_path: Path) -> None:
     assert off.recycled() == (0, 0) and list((Path(off.root) / "tmp").iterdir()) == []
 
 
+def test_a_process_that_only_deletes_recycles_too(tmp_path: Path) -> None:
+    """gc in a process of its own has written nothing: it tries a lock on a temp file first."""
+    LocalBlobStore(tmp_path / "b").put("packs/aa/a", os.urandom(MiB))
+    gc_only = LocalBlobStore(tmp_path / "b")
+    gc_only.delete(["packs/aa/a"])
+    assert gc_only.recycled() == (1, MiB) and gc_only.stats.recycled == 1
+    assert [p.suffix for p in (tmp_path / "b" / "tmp").iterdir()] == [".free"]  # the probe left nothing
+
+
 def test_the_sweep_deletes_recycled_files_beyond_the_bound(tmp_path: Path) -> None:
     blobs = LocalBlobStore(tmp_path / "b")
     for i in range(3):

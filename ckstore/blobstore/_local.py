@@ -174,7 +174,8 @@ class LocalBlobStore(BlobStore):
         #: the most bytes of released pack files kept in ``tmp/`` for later packs (0: unlink them)
         self.recycle_bytes = recycle_bytes
         self._tmp = os.path.join(self.root, "tmp")
-        self._locks = True  # False once a lock was refused: this file system has none, never recycle
+        #: whether ``flock`` works here (None: not tried yet); without it nothing is recycled
+        self._locks: bool | None = None
         os.makedirs(self._tmp, exist_ok=True)
 
     def _path(self, key: str) -> str:
@@ -192,6 +193,7 @@ class LocalBlobStore(BlobStore):
                 if not _lock(f.fileno(), wait=True):
                     self._locks = False
                     return tmp, f
+                self._locks = True
                 if _same_file(tmp, f.fileno()):
                     return tmp, f
             except BaseException:
@@ -204,7 +206,7 @@ class LocalBlobStore(BlobStore):
         from its start; None when there is none to take. A file another writer (or the sweep)
         holds is skipped; one that gained a hard link since it was released loses this name
         (the other keeps its bytes)."""
-        if not self._locks:
+        if self._locks is False:
             return None
         try:
             names = [n for n in os.listdir(self._tmp) if n.endswith(_FREE)]
@@ -380,7 +382,7 @@ class LocalBlobStore(BlobStore):
                     )
                 checked.add(folder)
             paths.append(path)
-        if self.recycle_bytes > 0 and self._locks:
+        if self.recycle_bytes > 0 and self._locks_work():
             kept = self._recycle([p for k, p in zip(keys, paths) if k.startswith(_RECYCLED_PREFIX)])
             paths = [p for p in paths if p not in kept]
         if len(paths) < _UNLINK_THREADS:  # a few: not worth a thread hand-off
@@ -390,6 +392,15 @@ class LocalBlobStore(BlobStore):
         with TaskGroup("unlink", _UNLINK_THREADS) as pool:
             for fut in [pool.submit(_unlink, p) for p in paths]:
                 fut.result()
+
+    def _locks_work(self) -> bool:
+        """Whether ``flock`` works in ``tmp/``, tried on a temp file the first time it is asked
+        before any write (writers claim recycled files under their lock)."""
+        if self._locks is None:
+            tmp, f = self._open_temp()
+            f.close()
+            _unlink(tmp)
+        return bool(self._locks)
 
     def _recycle(self, paths: Sequence[str]) -> set[str]:
         """Rename files of ``paths`` into ``tmp/`` as recycled files while the recycled files stay

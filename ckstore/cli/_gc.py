@@ -332,7 +332,9 @@ def _render_fsck(rep: Any) -> None:
             f"{len(rep.orphans)} orphan objects ({human_bytes(size)}) the catalog does not know"
         )
     if rep.temp_files:
-        console.print(f"{len(rep.temp_files)} stale temp files of unfinished writes")
+        console.print(
+            f"{len(rep.temp_files)} stale temp files of unfinished writes (or recycled pack files beyond the bound)"
+        )
     for p in rep.pending:
         state = f"abandoned: {p.abandoned}" if p.abandoned else "in flight"
         console.print(

@@ -85,7 +85,9 @@ class FsckReport:
     damage: tuple[Damage, ...]
     damaged_unused_chunks: int  # damaged chunks no committed checkpoint uses (gc frees them)
     orphans: tuple[tuple[str, int], ...]  # (key, size) of objects the catalog does not know
-    temp_files: tuple[str, ...]  # stale temp files of unfinished writes (older than the grace)
+    #: stale temp files of unfinished writes (older than the grace), and recycled pack files beyond
+    #: the store's bound (a local folder's ``tmp/*.free``)
+    temp_files: tuple[str, ...]
     pending: tuple[PendingCommit, ...]
     trash: int  # objects gc has yet to delete
     unreferenced_chunks: int  # chunk rows no checkpoint references (gc frees them)
