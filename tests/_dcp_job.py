@@ -106,7 +106,7 @@ def scenario_save(store: ckstore.Store, rank: int, world: int, out: dict[str, An
     # ...and one whose rank 1 cannot write: every rank's wait() raises, nothing becomes visible
     real = store.blobs.writer
     if rank == 1:
-        def failing(key: str) -> Any:
+        def failing(key: str, size_hint: int | None = None) -> Any:
             raise PermissionError("read-only blob store")
 
         store.blobs.writer = failing  # type: ignore[method-assign]
@@ -143,7 +143,7 @@ def scenario_save(store: ckstore.Store, rank: int, world: int, out: dict[str, An
 
     # a rank that fails: the save fails everywhere and nothing becomes visible
     if rank == 2:
-        def failing(key: str) -> Any:
+        def failing(key: str, size_hint: int | None = None) -> Any:
             raise PermissionError("read-only blob store")
 
         store.blobs.writer = failing  # type: ignore[method-assign]

@@ -199,7 +199,7 @@ def scenario_fail(store: ckstore.Store, rank: int, world: int, out: dict[str, An
     # a rank whose writes fail mid-commit, after the others wrote their packs
     real_writer = store.blobs.writer
 
-    def failing_writer(key: str) -> Any:
+    def failing_writer(key: str, size_hint: int | None = None) -> Any:
         raise OSError(f"injected write failure on rank {rank}")
 
     if rank == 2:
@@ -236,9 +236,9 @@ def scenario_kill(store: ckstore.Store, rank: int, world: int, out: dict[str, An
     if rank == 2:
         real_writer = store.blobs.writer
 
-        def dying_writer(key: str) -> Any:
+        def dying_writer(key: str, size_hint: int | None = None) -> Any:
             os.kill(os.getpid(), 9)
-            return real_writer(key)
+            return real_writer(key, size_hint)
 
         store.blobs.writer = dying_writer  # type: ignore[method-assign]
     _expect_failure(out, "killed", lambda: store.commit(1, {rank: rank_states(rank, g)}, world_layout=SAVED))

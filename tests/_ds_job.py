@@ -114,7 +114,7 @@ def expect_failure(fn: Any) -> str:
 
 
 def failing_writer(rank: int) -> Any:
-    def writer(key: str) -> Any:
+    def writer(key: str, size_hint: int | None = None) -> Any:
         raise OSError(f"injected write failure on rank {rank}")
 
     return writer

@@ -76,10 +76,10 @@ def _gate_writes(store: ckstore.Store) -> tuple[threading.Event, list[int]]:
     gate, writes = threading.Event(), []
     real = store.blobs.writer
 
-    def writer(key: str) -> Any:
+    def writer(key: str, size_hint: int | None = None) -> Any:
         writes.append(1)
         assert gate.wait(60), "the test never opened the gate"
-        return real(key)
+        return real(key, size_hint)
 
     store.blobs.writer = writer  # type: ignore[method-assign]
     return gate, writes
@@ -118,7 +118,7 @@ def test_background_failure_raises_on_wait_next_commit_and_close(store_path: Pat
     store.commit(1, {0: _state(1)})
     real = store.blobs.writer
 
-    def read_only(key: str) -> Any:
+    def read_only(key: str, size_hint: int | None = None) -> Any:
         raise PermissionError(f"read-only blob store: cannot write {key}")
 
     store.blobs.writer = read_only  # type: ignore[method-assign]
@@ -164,10 +164,10 @@ def test_sigkill_during_background_write_leaves_earlier_checkpoints(tmp_path: Pa
         from test_async_commit import _state
         s = ckstore.open({str(path)!r}, run="r")
         real = s.blobs.writer
-        def dying(key):
+        def dying(key, size_hint=None):
             print("writing", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-            return real(key)
+            return real(key, size_hint)
         s.blobs.writer = dying
         p = s.commit(2, {{0: _state(2, n=12)}}, blocking=False)
         print("staged", flush=True)
@@ -206,9 +206,9 @@ def test_interpreter_exit_waits_for_commits_in_flight(tmp_path: Path) -> None:
         from test_async_commit import _state
         s = ckstore.open({str(path)!r}, run="r")
         gate, real = threading.Event(), s.blobs.writer
-        def held(key):
+        def held(key, size_hint=None):
             gate.wait()
-            return real(key)
+            return real(key, size_hint)
         s.blobs.writer = held
         s.commit(7, {{0: _state(7)}}, blocking=False)
         # the commit stays blocked until a moment after the store's exit handler started waiting

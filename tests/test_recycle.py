@@ -294,3 +294,35 @@ def test_a_commit_killed_while_writing_over_a_recycled_file_leaves_the_store_who
         assert report.temp_files_deleted == len(parts) and not any(p.exists() for p in parts.values())
         s.commit(3, {0: {"model_states": _state(3)}})
         assert_same(s.checkout(3)[0]["model_states"], _state(3))
+
+
+def test_a_pack_takes_the_recycled_file_that_fits_it_best(tmp_path: Path) -> None:
+    """A commit's small-chunk pack takes a small released file and its large pack a large one:
+    neither truncates much nor grows much (a pack opened on a large frame hints the pack size,
+    on a small one nothing; a put hints its length)."""
+    from ckstore.format.codec import encode
+    from ckstore.format.hashing import digest as chunk_digest
+    from ckstore.format.pack import PackWriter
+
+    blobs = LocalBlobStore(tmp_path / "b")
+    sizes = {"packs/aa/small": 20_000, "packs/aa/mid": 400_000, "packs/aa/large": 3 * MiB}
+    for k, n in sizes.items():
+        blobs.put(k, os.urandom(n))
+    inos = {k: _ino(blobs._path(k)) for k in sizes}
+    blobs.delete(list(sizes))
+
+    blobs.put("packs/bb/p", os.urandom(300_000))  # the smallest file at least that long
+    assert _ino(blobs._path("packs/bb/p")) == inos["packs/aa/mid"]
+
+    keys = iter(["packs/cc/small-chunks", "packs/cc/large-chunks"])
+    writer = PackWriter(blobs, 4 * MiB, lambda: (next(keys), None), lambda *a: None)
+    for i in range(3):  # tiny frames first, as a commit writes its small chunks
+        raw = os.urandom(1000 + i)
+        writer.add(chunk_digest(raw), encode(memoryview(raw), 4, 1), len(raw))
+    writer.seal()
+    raw = os.urandom(2 * MiB)
+    writer.add(chunk_digest(raw), encode(memoryview(raw), 4, 1), len(raw))
+    writer.close()
+    assert _ino(blobs._path("packs/cc/small-chunks")) == inos["packs/aa/small"]
+    assert _ino(blobs._path("packs/cc/large-chunks")) == inos["packs/aa/large"]
+    assert blobs.stats.reused == 3

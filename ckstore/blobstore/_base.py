@@ -167,10 +167,12 @@ class BlobStore(ABC):
 
     # -- public, counted -------------------------------------------------------------
     @contextmanager
-    def writer(self, key: str) -> Iterator[_CountingWriter]:
-        """A file-like object to write ``key``; the object appears when the block ends."""
+    def writer(self, key: str, size_hint: int | None = None) -> Iterator[_CountingWriter]:
+        """A file-like object to write ``key``; the object appears when the block ends.
+        ``size_hint``: about how many bytes will be written, where the caller knows (a local
+        folder picks the recycled file that fits best)."""
         try:
-            with self._writer(key) as f:
+            with self._writer(key, size_hint) as f:
                 w = _CountingWriter(f, key, self.url)
                 yield w
         except OSError as e:
@@ -195,7 +197,7 @@ class BlobStore(ABC):
         object names can be made durable meanwhile (a checkpoint's record waits there for its
         packs). A failure in it leaves no object."""
         if not exclusive:
-            with self.writer(key) as w:
+            with self.writer(key, memoryview(data).nbytes) as w:
                 w.write(data)
                 if before_publish is not None:
                     w.durable_now()
@@ -248,7 +250,7 @@ class BlobStore(ABC):
 
     # -- for implementers ------------------------------------------------------------
     @abstractmethod
-    def _writer(self, key: str) -> Any:  # a context manager yielding a binary file
+    def _writer(self, key: str, size_hint: int | None = None) -> Any:  # a context manager yielding a binary file
         ...
 
     @abstractmethod

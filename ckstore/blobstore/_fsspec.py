@@ -358,7 +358,7 @@ class FsspecBlobStore(BlobStore):
         return self._call(what, lambda: sync(fs.loop, _send, fs, method, _Body(body), self._stall, kwargs), key)
 
     @contextmanager
-    def _writer(self, key: str) -> Iterator[_ObjectWriter]:
+    def _writer(self, key: str, size_hint: int | None = None) -> Iterator[_ObjectWriter]:
         w = _ObjectWriter(self, key, self._path(key), self.buffer_limit)
         try:
             yield w

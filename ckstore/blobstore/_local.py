@@ -9,7 +9,8 @@ system without working locks (some FUSE mounts) the grace period is the only pro
 
 Pack files a delete releases are *recycled*: up to :attr:`LocalBlobStore.recycle_bytes` of them
 (and :data:`RECYCLE_FILES` files) are renamed into ``tmp/`` as ``<random>.free`` instead of
-unlinked, and a later pack is written over one of them (claimed by taking its ``flock`` and
+unlinked, and a later pack is written over one of them (the best fit for the size its writer
+expects; claimed by taking its ``flock`` and
 renaming it to a ``.part`` temp file, so two writers never share a file; truncated to the new
 length). Overwriting blocks a file already holds costs the disk less than allocating fresh ones,
 and renaming a file costs less than unlinking it, whose extents ext4 frees in the call: measured
@@ -201,19 +202,18 @@ class LocalBlobStore(BlobStore):
                 raise
             f.close()
 
-    def _claim_recycled(self) -> tuple[str, IO[bytes]] | None:
+    def _claim_recycled(self, size_hint: int | None) -> tuple[str, IO[bytes]] | None:
         """A recycled file, locked and renamed to a new ``.part`` temp file, open for writing
-        from its start; None when there is none to take. A file another writer (or the sweep)
-        holds is skipped; one that gained a hard link since it was released loses this name
-        (the other keeps its bytes)."""
+        from its start; None when there is none to take. The best fit for ``size_hint`` goes
+        first: the smallest file at least that long, else the longest (no hint: the longest),
+        so a pack is neither truncated much nor grown much. A file another writer (or the
+        sweep) holds is skipped; one that gained a hard link since it was released loses this
+        name (the other keeps its bytes)."""
         if self._locks is False:
             return None
-        try:
-            names = [n for n in os.listdir(self._tmp) if n.endswith(_FREE)]
-        except FileNotFoundError:
-            return None
-        for name in names:
-            path = os.path.join(self._tmp, name)
+        want = size_hint if size_hint is not None else 1 << 62
+        fits = sorted(self._recycled_files(), key=lambda t: (t[1] < want, t[1] if t[1] >= want else -t[1]))
+        for path, _, _ in fits:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             except OSError:  # taken meanwhile (gone), or not a plain file of ours
@@ -246,9 +246,9 @@ class LocalBlobStore(BlobStore):
         return None
 
     @contextmanager
-    def _writer(self, key: str) -> Iterator[IO[bytes]]:
+    def _writer(self, key: str, size_hint: int | None = None) -> Iterator[IO[bytes]]:
         path = self._path(key)
-        claimed = self._claim_recycled() if key.startswith(_RECYCLED_PREFIX) else None
+        claimed = self._claim_recycled(size_hint) if key.startswith(_RECYCLED_PREFIX) else None
         tmp, f = claimed if claimed is not None else self._open_temp()
         flusher = _Flusher(f) if self.fsync else None
         try:

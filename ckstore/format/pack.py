@@ -109,7 +109,9 @@ class PackWriter:
     def add(self, digest: bytes, frame: Frame, raw_size: int, chain: int | None = None) -> None:
         """Append one chunk's frame; ``chain``: a delta frame's depth (its base's plus one)."""
         if self._w is None:
-            self._open()
+            # a pack that starts with a large frame is filled up to the target by large frames
+            # (a commit writes its small chunks first, into packs of their own)
+            self._open(self.target_size if frame.length >= _SMALL_FRAME else 0)
         if frame.length < _SMALL_FRAME:  # gathered, so thousands of tiny chunks are a few writes
             for part in frame.parts:
                 self._buf += part
@@ -174,11 +176,11 @@ class PackWriter:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _open(self) -> None:
+    def _open(self, size_hint: int) -> None:
         key, self._pack_id = self._on_open()
         crash_point("pack.registered")
         self._stack = ExitStack()
-        self._w = self._stack.enter_context(self.blobs.writer(key))
+        self._w = self._stack.enter_context(self.blobs.writer(key, size_hint))
         self._buf = bytearray(PACK_HEADER)
         self._pos = len(PACK_HEADER)
         self._chunks = []
