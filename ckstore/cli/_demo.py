@@ -122,9 +122,12 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     policy = LatestN(2) | BestN(1, "val_loss") | ByKind("epoch", KeepAll())
     store.set_policy(run_name, policy)
     usage_before = store.du()
-    report = store.gc()
-    render_gc(report)
-    usage_after = store.du()
+    # training is over: like `ckstore gc`, a store handle that keeps no released pack files for
+    # later commits (recycle_bytes=0), so the space goes back to the disk
+    with ckstore.open(location, catalog=obj.catalog, run=run_name, recycle_bytes=0) as maintenance:
+        report = maintenance.gc()
+        render_gc(report)
+        usage_after = maintenance.du()
     console.print(
         f"packs on disk {usage_before.pack_bytes / 2**20:.1f} MiB -> {usage_after.pack_bytes / 2**20:.1f} MiB; "
         f"kept {', '.join(str(c.step) for c in store.checkpoints(run_name))}"
