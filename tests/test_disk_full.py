@@ -54,3 +54,25 @@ def test_commit_into_a_full_file_system_fails_cleanly(small_fs: Path, tmp_path: 
     assert_same(s.checkout(1), first)
     s.commit(2, {0: {"m": {"w": torch.randn(1000)}}})  # the store works again once there is room
     s.close()
+
+
+def test_a_full_disk_gets_the_space_recycled_files_hold(small_fs: Path, tmp_path: Path) -> None:
+    """gc kept a released pack's file while the disk had room; a commit then fills the disk: the
+    failed write deletes the recycled files, so the retry has their space."""
+    catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
+    s = ckstore.open(small_fs / "store", catalog=catalog, run="a", chunk_size=256 * 1024, pack_size=1 << 20,
+                     recycle_bytes=1 << 20)  # fmt: skip
+    s.commit(1, {0: {"m": {"w": torch.randn(100_000)}}})
+    s.commit(2, {0: {"m": {"w": torch.randn(100_000)}}})
+    s.delete(1)
+    s.gc(grace=0)
+    files, size = s.blobs.recycled()
+    assert files >= 1 and size > 0  # kept: the disk had room
+
+    with pytest.raises(CkstoreError, match=r"(?i)space|full|ENOSPC|errno 28"):
+        s.commit(3, {0: {"m": {"w": torch.randn(4_000_000)}}})
+    assert s.blobs.recycled() == (0, 0)  # given back by the failed write
+    s.gc(grace=0)
+    s.commit(3, {0: {"m": {"w": torch.randn(100_000)}}})
+    assert [c.step for c in s.checkpoints()] == [2, 3] and s.fsck(deep=True).ok
+    s.close()

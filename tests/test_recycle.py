@@ -8,6 +8,7 @@ lands while a commit writes over a recycled file.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -240,7 +241,9 @@ def test_training_with_gc_every_step_writes_its_packs_over_released_files(tmp_pa
         du = s.du()
         assert (du.recycled_files, du.recycled_bytes) == s.blobs.recycled() != (0, 0)
 
-    # `ckstore gc` deletes the files a training process kept, and says so
+    # a check counts them as kept, not stale; `ckstore gc` deletes the files a training process kept
+    res = CliRunner().invoke(main, ["--store", str(path), "fsck", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["temp_files"] == []
     res = CliRunner().invoke(main, ["--store", str(path), "du"])
     assert res.exit_code == 0 and "kept for later commits to write over" in res.output
     res = CliRunner().invoke(main, ["--store", str(path), "gc", "--json"])
@@ -326,3 +329,46 @@ def test_a_pack_takes_the_recycled_file_that_fits_it_best(tmp_path: Path) -> Non
     assert _ino(blobs._path("packs/cc/small-chunks")) == inos["packs/aa/small"]
     assert _ino(blobs._path("packs/cc/large-chunks")) == inos["packs/aa/large"]
     assert blobs.stats.reused == 3
+
+
+def test_a_tmp_folder_replaced_by_a_link_is_neither_recycled_into_nor_swept(tmp_path: Path) -> None:
+    """A link put in the store in place of ``tmp/`` must not lead a writer to overwrite, nor gc
+    to delete, the files it points at."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.free").write_bytes(b"p" * 100_000)
+    (outside / "old.part").write_bytes(b"o" * 1000)
+    os.utime(outside / "old.part", (0, 0))
+    blobs = LocalBlobStore(tmp_path / "b")
+    os.rmdir(Path(blobs.root) / "tmp")
+    os.symlink(outside, Path(blobs.root) / "tmp")
+
+    assert blobs.recycled() == (0, 0) and blobs.stale_temp_files(time.time() + 60) == []
+    blobs.recycle_bytes = 0
+    assert blobs.stale_temp_files(time.time() + 60) == []
+    blobs.put("packs/aa/a", b"new pack")
+    blobs.delete(["packs/aa/a"])
+    assert (outside / "precious.free").read_bytes() == b"p" * 100_000 and (outside / "old.part").exists()
+    assert blobs.discard_temp_files([str(Path(blobs.root) / "tmp" / "old.part")]) == 0
+    assert (outside / "old.part").exists()
+
+
+def test_a_claimed_file_is_stamped_and_odd_entries_are_skipped(tmp_path: Path) -> None:
+    blobs = LocalBlobStore(tmp_path / "b")
+    blobs.put("packs/aa/a", os.urandom(100_000))
+    os.utime(blobs._path("packs/aa/a"), (0, 0))  # written long ago
+    blobs.delete(["packs/aa/a"])
+    tmp = Path(blobs.root) / "tmp"
+    (tmp / "dir.free").mkdir()  # entries that are no recycled files: never taken, never break gc
+    os.symlink(tmp_path / "nowhere", tmp / "link.free")
+    (tmp / "empty.free").write_bytes(b"")
+    assert blobs.recycled() == (2, 100_000)
+    with blobs.writer("packs/bb/b", 100_000) as w:
+        (part,) = tmp.glob("*.part")
+        assert time.time() - part.stat().st_mtime < 3600  # the sweep's grace runs from the claim
+        w.write(b"x" * 1000)
+    assert blobs.stats.reused == 1
+    blobs.recycle_bytes = 0
+    stale = blobs.stale_temp_files(0)
+    assert stale == [str(tmp / "empty.free")] and blobs.discard_temp_files(stale) == 1
+    assert (tmp / "dir.free").is_dir() and (tmp / "link.free").is_symlink()

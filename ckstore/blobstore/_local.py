@@ -22,7 +22,9 @@ recycled. A read that
 overlaps the release of its object checks afterwards that the key still names the file it read,
 so it returns the old bytes or raises :class:`BlobNotFoundError`, never a later pack's bytes.
 The stale-temp sweep removes recycled files beyond the bound (all of them with a bound of 0, as
-``ckstore gc`` opens the store).
+``ckstore gc`` opens the store), and a write that finds the disk full removes them all. Where
+``tmp/`` is a link rather than a folder of the store's own, nothing is recycled, claimed or swept
+there.
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ class _Flusher:
         os.fdatasync(self._f.fileno())
         self._clean = True
 
+    def truncate(self, size: int) -> None:
+        """Cut the file to ``size`` (a recycled file longer than what was written over it);
+        :meth:`finish` then makes the new length durable too."""
+        self._f.truncate(size)
+        self._clean = False
+
     def finish(self) -> None:
         """Make every byte written durable (errors raise here, not in the background)."""
         self.join()
@@ -202,6 +210,14 @@ class LocalBlobStore(BlobStore):
                 raise
             f.close()
 
+    def _tmp_is_ours(self) -> bool:
+        """Whether ``tmp/`` is a folder of the store's own, not a link that would lead recycling
+        and the stale-temp sweep to files outside the store (then neither touches it)."""
+        try:
+            return stat.S_ISDIR(os.lstat(self._tmp).st_mode)
+        except FileNotFoundError:
+            return False
+
     def _claim_recycled(self, size_hint: int | None) -> tuple[str, IO[bytes]] | None:
         """A recycled file, locked and renamed to a new ``.part`` temp file, open for writing
         from its start; None when there is none to take. The best fit for ``size_hint`` goes
@@ -209,7 +225,7 @@ class LocalBlobStore(BlobStore):
         so a pack is neither truncated much nor grown much. A file another writer (or the
         sweep) holds is skipped; one that gained a hard link since it was released loses this
         name (the other keeps its bytes)."""
-        if self._locks is False:
+        if self._locks is False or not self._tmp_is_ours():
             return None
         want = size_hint if size_hint is not None else 1 << 62
         fits = sorted(self._recycled_files(), key=lambda t: (t[1] < want, t[1] if t[1] >= want else -t[1]))
@@ -234,7 +250,14 @@ class LocalBlobStore(BlobStore):
                     os.close(fd)
                     continue
                 tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
-                os.rename(path, tmp)  # under the lock: no other claimer got past _same_file
+                try:
+                    os.rename(path, tmp)  # under the lock: no other claimer got past _same_file
+                except FileNotFoundError:  # the name went meanwhile (a cached lookup, a user)
+                    os.close(fd)
+                    continue
+                # a fresh time: the sweep's grace (all that protects it where locks are per host)
+                # runs from the claim, not from the released pack's write
+                os.utime(fd)
                 self.stats.add(reused=1)
                 return tmp, open(fd, "r+b", buffering=0)  # noqa: SIM115 - closed by the caller
             except BaseException:
@@ -255,7 +278,7 @@ class LocalBlobStore(BlobStore):
             try:
                 yield flusher if flusher is not None else f  # type: ignore[misc]
                 if claimed is not None:  # the recycled file may be longer than what was written
-                    f.truncate(f.tell())
+                    (flusher or f).truncate(f.tell())
                 if flusher is not None:
                     flusher.finish()
                 parent = os.path.dirname(path)
@@ -263,8 +286,10 @@ class LocalBlobStore(BlobStore):
                 os.replace(tmp, path)  # still locked: the sweep never sees a half-renamed file
                 if self.fsync:
                     _fsync_dir(parent)
-            except BaseException:
+            except BaseException as e:
                 _unlink(tmp)
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._release_recycled()  # the space they hold goes to the retry
                 raise
         finally:
             if flusher is not None:
@@ -382,7 +407,7 @@ class LocalBlobStore(BlobStore):
                     )
                 checked.add(folder)
             paths.append(path)
-        if self.recycle_bytes > 0 and self._locks_work():
+        if self.recycle_bytes > 0 and self._tmp_is_ours() and self._locks_work():
             kept = self._recycle([p for k, p in zip(keys, paths) if k.startswith(_RECYCLED_PREFIX)])
             paths = [p for p in paths if p not in kept]
         if len(paths) < _UNLINK_THREADS:  # a few: not worth a thread hand-off
@@ -392,6 +417,15 @@ class LocalBlobStore(BlobStore):
         with TaskGroup("unlink", _UNLINK_THREADS) as pool:
             for fut in [pool.submit(_unlink, p) for p in paths]:
                 fut.result()
+
+    def _release_recycled(self) -> int:
+        """Delete every recycled file no writer is claiming (a write found the disk full);
+        returns how many."""
+        n = 0
+        for path, _, _ in self._recycled_files():
+            if _with_lock(path, lambda path=path: os.unlink(path)):  # type: ignore[misc]
+                n += 1
+        return n
 
     def _locks_work(self) -> bool:
         """Whether ``flock`` works in ``tmp/``, tried on a temp file the first time it is asked
@@ -419,7 +453,7 @@ class LocalBlobStore(BlobStore):
             except FileNotFoundError:
                 done.add(path)
                 continue
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or size + st.st_size > limit:
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not 0 < st.st_size <= limit - size:
                 continue
             try:
                 os.rename(path, os.path.join(self._tmp, f"{uuid.uuid4().hex}{_FREE}"))
@@ -451,7 +485,9 @@ class LocalBlobStore(BlobStore):
 
     def _recycled_files(self) -> list[tuple[str, int, float]]:
         """``(path, size, mtime)`` of every recycled file, newest first."""
-        out = []
+        out: list[tuple[str, int, float]] = []
+        if not self._tmp_is_ours():
+            return out
         try:
             names = [n for n in os.listdir(self._tmp) if n.endswith(_FREE)]
         except FileNotFoundError:
@@ -462,7 +498,8 @@ class LocalBlobStore(BlobStore):
                 st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            out.append((path, st.st_size, st.st_mtime))
+            if stat.S_ISREG(st.st_mode):  # nothing else there is ours
+                out.append((path, st.st_size, st.st_mtime))
         out.sort(key=lambda t: t[2], reverse=True)
         return out
 
@@ -497,7 +534,9 @@ class LocalBlobStore(BlobStore):
         """Temp files older than ``older_than`` that no live writer holds, and the recycled
         files beyond the bound (:meth:`_recycle_limit`, :data:`RECYCLE_FILES`; the oldest go
         first) that no writer is claiming."""
-        out = []
+        out: list[str] = []
+        if not self._tmp_is_ours():  # a link put in the store: nothing there is ours to remove
+            return out
         for name in os.listdir(self._tmp):
             if name.endswith(_FREE):
                 continue
@@ -509,7 +548,7 @@ class LocalBlobStore(BlobStore):
                 pass
         files, size, limit = 0, 0, self._recycle_limit()
         for p, n, _ in self._recycled_files():
-            if files < RECYCLE_FILES and size + n <= limit:
+            if files < RECYCLE_FILES and 0 < n <= limit - size:
                 files, size = files + 1, size + n
             elif _with_lock(p, lambda: None):
                 out.append(p)
@@ -519,6 +558,8 @@ class LocalBlobStore(BlobStore):
         """Remove the temp files in ``handles`` that lie in this store's ``tmp/`` folder and that
         no live writer holds (each checked again, under its lock)."""
         n = 0
+        if not self._tmp_is_ours():
+            return n
         for p in handles:
             if os.path.dirname(os.path.abspath(p)) != self._tmp:
                 raise NotOwnedError(f"refusing to remove {p!r}: not a temp file of {self.url}")
@@ -554,13 +595,13 @@ def _with_lock(path: str, action: Callable[[], None]) -> bool:
     """Run ``action`` holding ``path``'s lock, if no live writer holds it and ``path`` still names
     the file locked; returns whether it ran."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except PermissionError:  # another user's file: a read-only descriptor locks it too (flock)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             return False
-    except FileNotFoundError:
+    except OSError:  # gone, a link (ELOOP) or a folder (EISDIR): not a temp file to remove
         return False
     try:
         try:

@@ -273,7 +273,8 @@ def fsck(obj: Ctx, deep: bool, repair: bool, grace: str | None, as_json: bool) -
 
     Exits 1 naming each damaged checkpoint, rank, key, tensor and chunk.
     """
-    store = obj.open()
+    # --repair deletes recycled pack files too, as gc does; a check alone counts them as kept
+    store = obj.open(recycle_bytes=0 if repair else None)
     with _progress() as progress:
         rep = store.fsck(deep=deep, repair=repair, grace=_grace(grace), progress=progress)
     if as_json:
@@ -427,7 +428,7 @@ def rm(obj: Ctx, ref: str, force: bool, sweep: bool, grace: str | None) -> None:
     """Delete checkpoint REF from the catalog (a tagged one only with --force)."""
     from ..maintenance.retention import KeepAll
 
-    store = obj.open()
+    store = obj.open(recycle_bytes=0 if sweep else None)  # --sweep frees the bytes, as gc does
     ckpt = store.delete(ref, force=force)
     console.print(f"deleted {esc(ckpt.ref)} from the catalog")
     if not sweep:
