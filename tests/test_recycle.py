@@ -24,7 +24,7 @@ from helpers import assert_same
 
 import ckstore
 from ckstore.blobstore import BlobNotFoundError, LocalBlobStore
-from ckstore.blobstore._local import RECYCLE_FILES, _check_unreleased
+from ckstore.blobstore._recycle import RECYCLE_FILES, check_unreleased
 from ckstore.cli import main
 from ckstore.errors import StoreConfigError
 from ckstore.maintenance.retention import LatestN
@@ -213,10 +213,10 @@ def test_a_read_overlapping_a_release_never_returns_a_later_packs_bytes(tmp_path
     path = blobs._path("packs/cc/kept")  # and reads of whole objects check the same way
     fd = os.open(path, os.O_RDONLY)
     try:
-        _check_unreleased(path, fd, "packs/cc/kept", blobs.url)
+        check_unreleased(path, fd, "packs/cc/kept", blobs.url)
         blobs.delete(["packs/cc/kept"])
         with pytest.raises(BlobNotFoundError):
-            _check_unreleased(path, fd, "packs/cc/kept", blobs.url)
+            check_unreleased(path, fd, "packs/cc/kept", blobs.url)
     finally:
         os.close(fd)
 

@@ -3,6 +3,7 @@
 The contract every backend keeps is written once, on :class:`BlobStore` (``_base``). One module
 per backend: ``_local`` (a folder, temp file + fsync + rename) and ``_fsspec`` (object stores:
 single puts or multipart uploads, conditional writes); ``_retry`` is the bounded retry loop.
+A folder's recycled pack files are ``_recycle``; the file locks and removals both use, ``_fileops``.
 """
 
 from __future__ import annotations

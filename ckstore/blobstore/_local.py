@@ -7,32 +7,15 @@ file it cannot lock, and removes a file only while holding its lock, so however 
 writer stalls, gc never deletes its temp file; a killed writer's lock dies with it. On a file
 system without working locks (some FUSE mounts) the grace period is the only protection.
 
-Pack files a delete releases are *recycled*: up to :attr:`LocalBlobStore.recycle_bytes` of them
-(and :data:`RECYCLE_FILES` files) are renamed into ``tmp/`` as ``<random>.free`` instead of
-unlinked, and a later pack is written over one of them (the best fit for the size its writer
-expects; claimed by taking its ``flock`` and
-renaming it to a ``.part`` temp file, so two writers never share a file; truncated to the new
-length). Overwriting blocks a file already holds costs the disk less than allocating fresh ones,
-and renaming a file costs less than unlinking it, whose extents ext4 frees in the call: measured
-on this project's test machine, a 4 MiB pack's write and ``fdatasync`` 15.3 ms fresh against 11.8
-ms recycled, and an unlink 3.8 ms against 0.2 ms for the rename (``benchmarks/timeline_commit.py``).
-Recycled files never hold so much that the file system has less than the bound left free, so a
-nearly full disk gets its space back from gc. A file with another hard link (a ``cp -al`` backup of the store) is never
-recycled. A read that
-overlaps the release of its object checks afterwards that the key still names the file it read,
-so it returns the old bytes or raises :class:`BlobNotFoundError`, never a later pack's bytes.
-The stale-temp sweep removes recycled files beyond the bound (all of them with a bound of 0, as
-``ckstore gc`` opens the store), and a write that finds the disk full removes them all. Where
-``tmp/`` is a link rather than a folder of the store's own, nothing is recycled, claimed or swept
-there.
+Pack files a delete releases are *recycled*: kept in ``tmp/`` and written over by later packs
+(:mod:`._recycle`, which says how two writers never share one and a reader never gets another
+pack's bytes).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import stat
 import sys
 import threading
 import uuid
@@ -51,20 +34,19 @@ from ._base import (
     NotOwnedError,
     check_key,
 )
+from ._fileops import fsync_dir, lock, same_file, unlink, with_lock
+from ._recycle import (
+    DEFAULT_RECYCLE_BYTES,
+    RECYCLED_PREFIX,
+    Recycler,
+    check_unreleased,
+    is_recycled,
+)
 
-__all__ = ["DEFAULT_RECYCLE_BYTES", "RECYCLE_FILES", "LocalBlobStore"]
+__all__ = ["LocalBlobStore"]
 
 #: Files a delete unlinks at once (see :meth:`LocalBlobStore._delete`)
 _UNLINK_THREADS = 4
-#: The bytes of released pack files a local store keeps for later packs to be written over,
-#: unless :func:`ckstore.open` says otherwise (``recycle_bytes``); four default-sized packs
-DEFAULT_RECYCLE_BYTES = 256 << 20
-#: At most this many recycled files are kept, whatever their size
-RECYCLE_FILES = 64
-#: The suffix of a recycled file in ``tmp/`` (a temp file being written ends in ``.part``)
-_FREE = ".free"
-#: Keys whose files are recycled, and whose writers take a recycled file
-_RECYCLED_PREFIX = "packs/"
 
 
 class _Flusher:
@@ -183,9 +165,8 @@ class LocalBlobStore(BlobStore):
         #: the most bytes of released pack files kept in ``tmp/`` for later packs (0: unlink them)
         self.recycle_bytes = recycle_bytes
         self._tmp = os.path.join(self.root, "tmp")
-        #: whether ``flock`` works here (None: not tried yet); without it nothing is recycled
-        self._locks: bool | None = None
         os.makedirs(self._tmp, exist_ok=True)
+        self._recycler = Recycler(self._tmp, self.stats)
 
     def _path(self, key: str) -> str:
         check_key(key)
@@ -199,79 +180,21 @@ class LocalBlobStore(BlobStore):
             tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
             f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed by the caller
             try:
-                if not _lock(f.fileno(), wait=True):
-                    self._locks = False
+                if not lock(f.fileno(), wait=True):
+                    self._recycler.locks = False
                     return tmp, f
-                self._locks = True
-                if _same_file(tmp, f.fileno()):
+                self._recycler.locks = True
+                if same_file(tmp, f.fileno()):
                     return tmp, f
             except BaseException:
                 f.close()
                 raise
             f.close()
 
-    def _tmp_is_ours(self) -> bool:
-        """Whether ``tmp/`` is a folder of the store's own, not a link that would lead recycling
-        and the stale-temp sweep to files outside the store (then neither touches it)."""
-        try:
-            return stat.S_ISDIR(os.lstat(self._tmp).st_mode)
-        except FileNotFoundError:
-            return False
-
-    def _claim_recycled(self, size_hint: int | None) -> tuple[str, IO[bytes]] | None:
-        """A recycled file, locked and renamed to a new ``.part`` temp file, open for writing
-        from its start; None when there is none to take. The best fit for ``size_hint`` goes
-        first: the smallest file at least that long, else the longest (no hint: the longest),
-        so a pack is neither truncated much nor grown much. A file another writer (or the
-        sweep) holds is skipped; one that gained a hard link since it was released loses this
-        name (the other keeps its bytes)."""
-        if self._locks is False or not self._tmp_is_ours():
-            return None
-        want = size_hint if size_hint is not None else 1 << 62
-        fits = sorted(self._recycled_files(), key=lambda t: (t[1] < want, t[1] if t[1] >= want else -t[1]))
-        for path, _, _ in fits:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            except OSError:  # taken meanwhile (gone), or not a plain file of ours
-                continue
-            try:
-                try:
-                    if not _lock(fd, wait=False):
-                        self._locks = False
-                        os.close(fd)
-                        return None
-                except BlockingIOError:  # another writer is claiming it
-                    os.close(fd)
-                    continue
-                st = os.fstat(fd)
-                if not _same_file(path, fd) or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                    if _same_file(path, fd):
-                        _unlink(path)
-                    os.close(fd)
-                    continue
-                tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
-                try:
-                    os.rename(path, tmp)  # under the lock: no other claimer got past _same_file
-                except FileNotFoundError:  # the name went meanwhile (a cached lookup, a user)
-                    os.close(fd)
-                    continue
-                # a fresh time: the sweep's grace (all that protects it where locks are per host)
-                # runs from the claim, not from the released pack's write
-                os.utime(fd)
-                self.stats.add(reused=1)
-                return tmp, open(fd, "r+b", buffering=0)  # noqa: SIM115 - closed by the caller
-            except BaseException:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-                raise
-        return None
-
     @contextmanager
     def _writer(self, key: str, size_hint: int | None = None) -> Iterator[IO[bytes]]:
         path = self._path(key)
-        claimed = self._claim_recycled(size_hint) if key.startswith(_RECYCLED_PREFIX) else None
+        claimed = self._recycler.claim(size_hint) if key.startswith(RECYCLED_PREFIX) else None
         tmp, f = claimed if claimed is not None else self._open_temp()
         flusher = _Flusher(f) if self.fsync else None
         try:
@@ -285,11 +208,11 @@ class LocalBlobStore(BlobStore):
                 self._make_folder(parent)
                 os.replace(tmp, path)  # still locked: the sweep never sees a half-renamed file
                 if self.fsync:
-                    _fsync_dir(parent)
+                    fsync_dir(parent)
             except BaseException as e:
-                _unlink(tmp)
+                unlink(tmp)
                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    self._release_recycled()  # the space they hold goes to the retry
+                    self._recycler.release_all()  # the space they hold goes to the retry
                 raise
         finally:
             if flusher is not None:
@@ -312,7 +235,7 @@ class LocalBlobStore(BlobStore):
             except FileExistsError:  # another writer made it meanwhile, or a sibling was there
                 pass
         if self.fsync:
-            _fsync_dir(above)
+            fsync_dir(above)
 
     def _put_exclusive(self, key: str, data: memoryview) -> None:
         path = self._path(key)
@@ -328,9 +251,9 @@ class LocalBlobStore(BlobStore):
             except FileExistsError as e:
                 raise BlobExistsError(f"object {key!r} already exists in {self.url}") from e
             if self.fsync:
-                _fsync_dir(parent)
+                fsync_dir(parent)
         finally:
-            _unlink(tmp)
+            unlink(tmp)
             f.close()
 
     def _read(self, key: str, start: int, end: int | None) -> bytes:
@@ -340,7 +263,7 @@ class LocalBlobStore(BlobStore):
                 if start:
                     f.seek(start)
                 data = f.read() if end is None else f.read(end - start)
-                _check_unreleased(path, f.fileno(), key, self.url)
+                check_unreleased(path, f.fileno(), key, self.url)
         except BlobStoreError:
             raise
         except FileNotFoundError as e:
@@ -372,7 +295,7 @@ class LocalBlobStore(BlobStore):
                         f"[{start}, {start + out.nbytes}), got {done}"
                     )
                 done += n
-            _check_unreleased(path, fd, key, self.url)
+            check_unreleased(path, fd, key, self.url)
         except BlobStoreError:
             raise
         except OSError as e:
@@ -388,9 +311,10 @@ class LocalBlobStore(BlobStore):
     def _delete(self, keys: Sequence[str]) -> None:
         """Every key's folder is checked before any file goes, each folder once (gc deletes
         hundreds of packs from the same few folders). Pack files are then recycled while the
-        bound allows (:meth:`_recycle`), and the rest unlinked on up to :data:`_UNLINK_THREADS`
-        threads (ext4 frees a file's extents in the ``unlink`` call: about a millisecond for a
-        3 MiB pack on this project's test machine, 0.7 ms each with four at a time)."""
+        bound allows (:meth:`._recycle.Recycler.release`), and the rest unlinked on up to
+        :data:`_UNLINK_THREADS` threads (ext4 frees a file's extents in the ``unlink`` call: about
+        a millisecond for a 3 MiB pack on this project's test machine, 0.7 ms each with four at a
+        time)."""
         owned = [os.path.realpath(os.path.join(self.root, p.rstrip("/"))) for p in OWNED_PREFIXES]
         checked: set[str] = set()
         paths = []
@@ -407,101 +331,29 @@ class LocalBlobStore(BlobStore):
                     )
                 checked.add(folder)
             paths.append(path)
-        if self.recycle_bytes > 0 and self._tmp_is_ours() and self._locks_work():
-            kept = self._recycle([p for k, p in zip(keys, paths) if k.startswith(_RECYCLED_PREFIX)])
+        if self.recycle_bytes > 0 and self._locks_work():
+            packs = [p for k, p in zip(keys, paths) if k.startswith(RECYCLED_PREFIX)]
+            kept = self._recycler.release(packs, self.recycle_bytes)
             paths = [p for p in paths if p not in kept]
         if len(paths) < _UNLINK_THREADS:  # a few: not worth a thread hand-off
             for path in paths:
-                _unlink(path)
+                unlink(path)
             return
         with TaskGroup("unlink", _UNLINK_THREADS) as pool:
-            for fut in [pool.submit(_unlink, p) for p in paths]:
+            for fut in [pool.submit(unlink, p) for p in paths]:
                 fut.result()
-
-    def _release_recycled(self) -> int:
-        """Delete every recycled file no writer is claiming (a write found the disk full);
-        returns how many."""
-        n = 0
-        for path, _, _ in self._recycled_files():
-            if _with_lock(path, lambda path=path: os.unlink(path)):  # type: ignore[misc]
-                n += 1
-        return n
 
     def _locks_work(self) -> bool:
         """Whether ``flock`` works in ``tmp/``, tried on a temp file the first time it is asked
         before any write (writers claim recycled files under their lock)."""
-        if self._locks is None:
+        if self._recycler.locks is None:
             tmp, f = self._open_temp()
             f.close()
-            _unlink(tmp)
-        return bool(self._locks)
-
-    def _recycle(self, paths: Sequence[str]) -> set[str]:
-        """Rename files of ``paths`` into ``tmp/`` as recycled files while the recycled files stay
-        within :attr:`recycle_bytes` and :data:`RECYCLE_FILES` (two processes deleting at once may
-        overshoot a little; the sweep trims). Returns the paths handled (renamed, or already
-        gone); the caller unlinks the others: files with another hard link, files on another
-        file system than ``tmp/``, files over the bound."""
-        files, size = self.recycled()
-        limit = self._recycle_limit()
-        done: set[str] = set()
-        for path in paths:
-            if files >= RECYCLE_FILES:
-                break
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                done.add(path)
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not 0 < st.st_size <= limit - size:
-                continue
-            try:
-                os.rename(path, os.path.join(self._tmp, f"{uuid.uuid4().hex}{_FREE}"))
-            except FileNotFoundError:  # another gc deleted it meanwhile
-                done.add(path)
-                continue
-            except OSError:  # another file system (a folder linked elsewhere): unlinked instead
-                continue
-            done.add(path)
-            files += 1
-            size += st.st_size
-            self.stats.add(recycled=1)
-        return done
-
-    def _recycle_limit(self) -> int:
-        """The most bytes recycled files may hold now: :attr:`recycle_bytes`, and no more than
-        leaves the file system as much again free, so that a nearly full disk gets its space back
-        from gc (under twice the bound free: less; under the bound: none)."""
-        try:
-            st = os.statvfs(self._tmp)
-        except OSError:
-            return 0
-        return max(0, min(self.recycle_bytes, st.f_bavail * st.f_frsize - self.recycle_bytes))
+            unlink(tmp)
+        return bool(self._recycler.locks)
 
     def recycled(self) -> tuple[int, int]:
-        """How many recycled files ``tmp/`` holds, and their bytes."""
-        spares = self._recycled_files()
-        return len(spares), sum(size for _, size, _ in spares)
-
-    def _recycled_files(self) -> list[tuple[str, int, float]]:
-        """``(path, size, mtime)`` of every recycled file, newest first."""
-        out: list[tuple[str, int, float]] = []
-        if not self._tmp_is_ours():
-            return out
-        try:
-            names = [n for n in os.listdir(self._tmp) if n.endswith(_FREE)]
-        except FileNotFoundError:
-            return []
-        for name in names:
-            path = os.path.join(self._tmp, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):  # nothing else there is ours
-                out.append((path, st.st_size, st.st_mtime))
-        out.sort(key=lambda t: t[2], reverse=True)
-        return out
+        return self._recycler.totals()
 
     def _list(self, prefix: str) -> Iterator[BlobInfo]:
         rel = prefix.strip("/")
@@ -532,112 +384,31 @@ class LocalBlobStore(BlobStore):
 
     def stale_temp_files(self, older_than: float) -> list[str]:
         """Temp files older than ``older_than`` that no live writer holds, and the recycled
-        files beyond the bound (:meth:`_recycle_limit`, :data:`RECYCLE_FILES`; the oldest go
-        first) that no writer is claiming."""
+        files beyond the bound that no writer is claiming (:meth:`._recycle.Recycler.surplus`)."""
         out: list[str] = []
-        if not self._tmp_is_ours():  # a link put in the store: nothing there is ours to remove
+        if not self._recycler.owns_tmp():  # a link put in the store: nothing there is ours to remove
             return out
         for name in os.listdir(self._tmp):
-            if name.endswith(_FREE):
+            if is_recycled(name):
                 continue
             p = os.path.join(self._tmp, name)
             try:
-                if os.stat(p).st_mtime < older_than and _with_lock(p, lambda: None):
+                if os.stat(p).st_mtime < older_than and with_lock(p, lambda: None):
                     out.append(p)
             except FileNotFoundError:
                 pass
-        files, size, limit = 0, 0, self._recycle_limit()
-        for p, n, _ in self._recycled_files():
-            if files < RECYCLE_FILES and 0 < n <= limit - size:
-                files, size = files + 1, size + n
-            elif _with_lock(p, lambda: None):
-                out.append(p)
-        return out
+        return out + self._recycler.surplus(self.recycle_bytes)
 
     def discard_temp_files(self, handles: Sequence[str]) -> int:
         """Remove the temp files in ``handles`` that lie in this store's ``tmp/`` folder and that
         no live writer holds (each checked again, under its lock)."""
         n = 0
-        if not self._tmp_is_ours():
+        if not self._recycler.owns_tmp():
             return n
         for p in handles:
             if os.path.dirname(os.path.abspath(p)) != self._tmp:
                 raise NotOwnedError(f"refusing to remove {p!r}: not a temp file of {self.url}")
-            if _with_lock(p, lambda p=p: os.unlink(p)):  # type: ignore[misc]
+            if with_lock(p, lambda p=p: os.unlink(p)):  # type: ignore[misc]
                 n += 1
         return n
-
-
-def _lock(fd: int, *, wait: bool) -> bool:
-    """Take an exclusive ``flock`` on ``fd``: True when held, False on a file system without
-    locks; raises :class:`BlockingIOError` when another holds it and ``wait`` is False."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        raise
-    except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
-            return False
-        raise
-    return True
-
-
-def _same_file(path: str, fd: int) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    fst = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
-
-
-def _with_lock(path: str, action: Callable[[], None]) -> bool:
-    """Run ``action`` holding ``path``'s lock, if no live writer holds it and ``path`` still names
-    the file locked; returns whether it ran."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except PermissionError:  # another user's file: a read-only descriptor locks it too (flock)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return False
-    except OSError:  # gone, a link (ELOOP) or a folder (EISDIR): not a temp file to remove
-        return False
-    try:
-        try:
-            _lock(fd, wait=False)
-        except BlockingIOError:
-            return False  # a live writer holds it
-        if not _same_file(path, fd):
-            return False
-        try:
-            action()
-        except FileNotFoundError:
-            return False
-        return True
-    finally:
-        os.close(fd)
-
-
-def _check_unreleased(path: str, fd: int, key: str, url: str) -> None:
-    """After reading ``fd``, opened as ``path``: raise :class:`BlobNotFoundError` unless ``path``
-    still names that file. A released pack file is renamed away before anything overwrites it,
-    and keys are never reused, so when the name still holds, the bytes read were the object's."""
-    if not _same_file(path, fd):
-        raise BlobNotFoundError(f"object {key!r} in {url} was deleted while it was being read")
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 

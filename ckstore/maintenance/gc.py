@@ -13,7 +13,7 @@ says why each step is safe while other processes commit and read):
 4. delete orphan objects (no pack row, no trash row) and stale temp files older than the grace.
 
 A local folder keeps some of the pack files step 3 releases for later packs to be written over
-(``recycle_bytes`` in :func:`ckstore.open`, :mod:`ckstore.blobstore._local`); step 4 deletes
+(``recycle_bytes`` in :func:`ckstore.open`, :mod:`ckstore.blobstore._recycle`); step 4 deletes
 those beyond the bound, every one of them where the bound is 0 (``ckstore gc``).
 
 The statements themselves are the catalog's (:class:`~ckstore.catalog.GcTransaction`); this
