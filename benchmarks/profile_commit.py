@@ -134,7 +134,7 @@ def install(t: StageTimer) -> None:
     t.wrap(pack.PackWriter, "_shutdown", "waiting on pack completion")
     t.wrap(os, "fdatasync", "fsync")
     t.wrap(os, "fsync", "fsync")
-    t.wrap(_local, "_fsync_dir", "fsync")
+    t.wrap(_local, "fsync_dir", "fsync")
     t.wrap(_stage, "build_manifests", "manifests")
     t.wrap(manifest.Manifest, "to_bytes", "manifests")
     for name, fn in list(vars(Catalog).items()):

@@ -63,7 +63,7 @@ TRACED = [
     (pack.PackWriter, "_open", "open the pack"),
     (pack.PackWriter, "add", "append a frame"),
     (_local._Flusher, "finish", "fdatasync"),
-    (_local, "_fsync_dir", "folder fsync"),
+    (_local, "fsync_dir", "folder fsync"),
     (protocol, "write_record", "the record"),
     (_commit.CommitMixin, "finish_checkpoint", "finishing transaction"),
 ]
@@ -173,7 +173,7 @@ def floor(rounds: int, where: str) -> None:
             os.fdatasync(f.fileno())
         dest = root / folder / uuid.uuid4().hex
         os.replace(tmp, dest)
-        _local._fsync_dir(str(root / folder))  # the local store's own
+        _local.fsync_dir(str(root / folder))  # the local store's own
         return dest
 
     aside: list[Path] = []  # pack files set aside for reuse (as if a gc had released them)
