@@ -138,44 +138,23 @@ def test_large_chunks_encode_during_the_claim_guessed_from_the_last_commit(
     s.close()
 
 
+
 @pytest.mark.parametrize("small", [0, 3], ids=["large chunks only", "small chunks first"])
-def test_a_commit_opens_its_pack_before_its_first_frame_and_writes_no_empty_pack(
-    store_path: Path, monkeypatch: pytest.MonkeyPatch, small: int
+def test_a_commit_writes_one_pack_for_its_small_chunks_and_one_for_its_large_ones(
+    store_path: Path, small: int
 ) -> None:
-    """The first pack (and the pack of large chunks after the small ones) is opened while the
-    first frames are still being encoded (:meth:`PackWriter.start`), not at the first frame;
-    a commit then writes exactly the packs it fills: one for its small chunks, one for its large
-    ones, none empty."""
-    from ckstore.format import pack
+    """Small chunks go into a pack of their own ahead of the large ones; a commit writes exactly
+    the packs it fills, none empty (a pack opened before its first frame must get one)."""
     from ckstore.maintenance.gc import list_packs
     from ckstore.maintenance.recover import read_pack_index
 
-    events: list[str] = []
-    real_open, real_add = pack.PackWriter._open, pack.PackWriter.add
-
-    def opening(self: pack.PackWriter, size_hint: int) -> None:
-        events.append("open")
-        real_open(self, size_hint)
-
-    def adding(self: pack.PackWriter, *a: Any, **k: Any) -> None:
-        events.append("add")
-        real_add(self, *a, **k)
-
-    monkeypatch.setattr(pack.PackWriter, "_open", opening)
-    monkeypatch.setattr(pack.PackWriter, "add", adding)
     s = ckstore.open(store_path, run="r", chunk_size=256 * 1024, workers=2)
     state = {f"big{i}": torch.randn(256, 256) for i in range(3)}  # 256 KiB each: a large chunk apiece
     state.update({f"small{i}": torch.randn(64) for i in range(small)})
     s.commit(0, {0: {"m": state}})
     packs = list_packs(s.blobs)
-    assert len(packs) == (2 if small else 1)
-    assert sorted(len(read_pack_index(s.blobs, key, size)) for key, (size, _) in packs.items()) == sorted(
-        [3, small] if small else [3]
-    )  # every pack holds frames: none was opened for nothing
-    assert events[0] == "open" and events.count("open") == len(packs)
-    if small:  # the pack of large chunks opened before the first large frame was added
-        second = [i for i, e in enumerate(events) if e == "open"][1]
-        assert events[second - small :] == ["add"] * small + ["open"] + ["add"] * 3
+    frames = sorted(len(read_pack_index(s.blobs, key, size)) for key, (size, _) in packs.items())
+    assert frames == ([3, small] if small else [3])
     out = s.checkout(0)[0]["m"]
     assert all(torch.equal(out[k], v) for k, v in state.items())
     s.close()

@@ -419,9 +419,7 @@ def write_missing(
             add(d, frame, raw=raw)
 
     try:
-        small = len(chunks) > large  # small chunks come first, into packs of their own
-        if chunks:  # the first pack opens while the first frames are encoded (or encoding ahead)
-            writer.start(0 if small else writer.target_size)
+        small = True
         for si, ci in chunks:
             st = staged[si]
             d, raw = st.digests[ci], st.data if st.data.nbytes <= chunk_size else st.chunk(ci, chunk_size)
@@ -429,7 +427,6 @@ def write_missing(
                 encode_batch()
                 small = False
                 writer.seal()  # the pack of small chunks: written while the large ones are encoded
-                writer.start(writer.target_size)  # and the next one opened meanwhile
             base = delta.bases.get(d) if delta is not None else None
             if d in early:  # encoding since before the claim
                 inflight.append((d, raw, early.pop(d)))

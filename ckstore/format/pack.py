@@ -128,14 +128,6 @@ class PackWriter:
         if self._pos >= self.target_size:
             self._finish()
 
-    def start(self, size_hint: int) -> None:
-        """Open the next pack now, expecting about ``size_hint`` bytes (the target size for a
-        pack of large frames, 0 for one of small frames), instead of at its first frame: the
-        caller opens it while its first frames are still being encoded. Nothing happens when a
-        pack is open already. A pack started must be written: call it only with frames to come."""
-        if self._w is None:
-            self._open(size_hint)
-
     def seal(self) -> None:
         """Finish the pack being filled (if any) without waiting for it to be written: the next
         chunk starts a new pack. :meth:`close` waits for every pack."""
