@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,3 +159,21 @@ def test_a_commit_writes_one_pack_for_its_small_chunks_and_one_for_its_large_one
     out = s.checkout(0)[0]["m"]
     assert all(torch.equal(out[k], v) for k, v in state.items())
     s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.float16])
+def test_small_tensors_bytes_are_copied_large_ones_viewed(dtype: torch.dtype) -> None:
+    """Staging views a CPU tensor's bytes in place, but copies those of a tensor under
+    ``COPY_BELOW`` bytes (cheaper, and lighter than the view); either way the bytes are the
+    tensor's."""
+    from ckstore.format.tensorio import COPY_BELOW, raw_bytes
+
+    for n in (1, COPY_BELOW // 8 - 1, COPY_BELOW, 4 * COPY_BELOW):
+        t = (torch.arange(n) % 7).to(dtype)
+        kept, data = raw_bytes(t)
+        assert bytes(data) == t.numpy().tobytes() and data.format == "B" and data.nbytes == t.nbytes
+        if t.nbytes < COPY_BELOW:
+            assert kept is t and data.readonly  # a copy: writing into it could not reach the tensor
+        else:
+            assert not data.readonly and np.frombuffer(data, np.uint8).ctypes.data == t.data_ptr()  # a view
+    assert raw_bytes(torch.zeros(0))[1].nbytes == 0
