@@ -150,9 +150,9 @@ def stage(
     chunk_size: int = 0,
     workers: int = 1,
 ) -> list[StagedTensor]:
-    """Every tensor's bytes: zero-copy views of CPU tensors (accelerator tensors copied to the
-    host), or, with ``staging``, copies in its reusable buffer that outlive later changes to the
-    tensors. Shard placements are filled in by :func:`hash_staged`.
+    """Every tensor's bytes: zero-copy views of CPU tensors (tiny ones' bytes copied, accelerator
+    tensors copied to the host), or, with ``staging``, copies in its reusable buffer that outlive
+    later changes to the tensors. Shard placements are filled in by :func:`hash_staged`.
 
     ``changed_only`` (with ``staging``): hash each CPU tensor's chunks here, in parallel, and copy
     only the tensors whose digests differ from those of the bytes the buffer already holds in

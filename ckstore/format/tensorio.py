@@ -2,7 +2,8 @@
 
 This is the one core module that imports torch. Tensor bytes are handed out as zero-copy
 memoryviews of the tensor's own storage (a non-contiguous tensor or one on an accelerator is
-first staged into one contiguous CPU tensor).
+first staged into one contiguous CPU tensor; the few bytes of a tiny tensor are copied, see
+:func:`raw_bytes`).
 """
 
 from __future__ import annotations
