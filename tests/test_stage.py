@@ -1,5 +1,6 @@
 """The commit's data path (ckstore/commit/_stage.py): the garbage collector's pause around the
-per-tensor work, which must always leave the collector as the caller had it."""
+per-tensor work, which must always leave the collector as the caller had it; staging (tiny
+tensors' bytes copied, others viewed); encoding ahead; and the packs a commit fills."""
 
 from __future__ import annotations
 
@@ -139,13 +140,12 @@ def test_large_chunks_encode_during_the_claim_guessed_from_the_last_commit(
     s.close()
 
 
-
 @pytest.mark.parametrize("small", [0, 3], ids=["large chunks only", "small chunks first"])
 def test_a_commit_writes_one_pack_for_its_small_chunks_and_one_for_its_large_ones(
     store_path: Path, small: int
 ) -> None:
     """Small chunks go into a pack of their own ahead of the large ones; a commit writes exactly
-    the packs it fills, none empty (a pack opened before its first frame must get one)."""
+    the packs it fills, none empty."""
     from ckstore.maintenance.gc import list_packs
     from ckstore.maintenance.recover import read_pack_index
 
