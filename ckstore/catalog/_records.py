@@ -92,8 +92,9 @@ def read_facts(conn: Connection, ckpt_id: int) -> RecordFacts:
     return RecordFacts(
         row.run_name, int(row.step), row.kind, aware(row.created_at), aware(row.run_created),
         row.world_layout, parent,
-        # rows as the driver gave them (bytes, str and ints on both dialects): one per chunk
-        tuple(tuple(c) for c in chunks),
+        # rows as the driver gave them (bytes, str and ints on both dialects), one per chunk, not
+        # copied (100,000 chunks: 9 MiB)
+        tuple(chunks),
     )  # fmt: skip
 
 

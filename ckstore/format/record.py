@@ -30,10 +30,10 @@ from typing import Any
 
 import zstandard
 
-from ..errors import CkstoreError, IntegrityError
+from ..errors import CkstoreError, IntegrityError, UnsupportedValueError
 from ..layout import WorldLayout
 from ..refs import check_name
-from . import hashing
+from . import hashing, zjson
 from .manifest import MAX_MANIFEST_BYTES, Manifest
 
 __all__ = [
@@ -144,9 +144,15 @@ class CheckpointRecord:
             "logical_bytes": self.logical_bytes,
             "stored_bytes_added": self.stored_bytes_added,
             "entries": [[r, k, base64.b64encode(m).decode(), n] for r, k, m, n in self.entries],
-            "chunks": [[c.digest.hex(), c.pack, c.offset, c.length, c.raw_size, c.codec] for c in self.chunks],
         }
-        return _encode(obj)
+        # its chunks' locations (one per chunk: 100,000 for as many tiny tensors) are written a
+        # batch at a time, never all as lists at once (see ckstore.format.zjson)
+        doc = zjson.Document(_MAX_RECORD_BYTES, _too_long)
+        head = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        doc.add(head[:-1] + b',"chunks":[')
+        doc.add_items((c.digest.hex(), c.pack, c.offset, c.length, c.raw_size, c.codec) for c in self.chunks)
+        doc.add(b"]}")
+        return doc.compressed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +291,13 @@ def _event(obj: dict[str, Any], where: str) -> Event:
         if getattr(ev, f) is None:
             raise IntegrityError(f"{where}: a {kind} event needs {f}")
     return ev
+
+
+def _too_long(limit: int) -> UnsupportedValueError:
+    return UnsupportedValueError(
+        f"this checkpoint's record would be more than {limit} bytes of JSON, the most ckstore reads "
+        "back; commit its state as several sub-checkpoints or fewer, larger tensors"
+    )
 
 
 def _encode(obj: dict[str, Any]) -> bytes:
