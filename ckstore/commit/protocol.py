@@ -337,7 +337,8 @@ class StagedCommit:
                 self.ahead = _stage.encode_ahead(
                     self.entries, self.staged, cs, self.cfg.compression_level, self.pool, self.ctx.workers, self.ctx.ahead
                 )
-            return _join(list(self.held)), list(self.held.values()), _join(list(dict.fromkeys(self.bases.values())))
+            join = _join if g.size > 1 else list  # (a group of one hands its own lists over)
+            return join(list(self.held)), list(self.held.values()), join(list(dict.fromkeys(self.bases.values())))
 
         hashed = g.attempt(local)
         crash_point("hash")
@@ -421,7 +422,8 @@ class StagedCommit:
                 longest = self.ctx.delta.chain  # (a depth outside 0..longest-1 in a damaged row: unusable)
                 usable = [{b: chains[b] for b in bs if 0 <= chains.get(b, longest) < longest} for bs in self.rank_bases]
                 self.claimed_bases = set(chains)
-            return [(_join(p), [next(ids) for _ in range(n)], u) for p, n, u in zip(plan, needed, usable)]
+            join = _join if g.size > 1 else list
+            return [(join(p), [next(ids) for _ in range(n)], u) for p, n, u in zip(plan, needed, usable)]
 
         outcome = g.attempt(local) if g.rank == 0 else (None, None)
         crash_point("plan_writes")
@@ -661,8 +663,13 @@ def assign_writers(
 
 
 def _join(digests: Sequence[bytes]) -> bytes:
+    """Digests as one object for a collective (one buffer, not a list of small ones, to pickle)."""
     return b"".join(digests)
 
 
-def _split(blob: bytes) -> list[bytes]:
+def _split(blob: bytes | list[bytes]) -> list[bytes]:
+    """The digests :func:`_join` joined; a group of one hands its list over as it is (100,000
+    chunks: ~6 MiB of copies each way)."""
+    if isinstance(blob, list):
+        return blob
     return [blob[i : i + 16] for i in range(0, len(blob), 16)]
