@@ -76,6 +76,8 @@ def _known_locations(
     known: Mapping[bytes, ChunkLocation], lookup: Callable[[list[bytes]], dict[bytes, ChunkLocation]], digests: list[bytes]
 ) -> dict[bytes, ChunkLocation]:
     """Locations from ``known``; digests it lacks (a damaged reference) are looked up."""
+    if len(digests) == len(known) and isinstance(known, dict) and all(d in known for d in digests):
+        return known  # (a checkout of the whole checkpoint: not copied)
     out = {d: known[d] for d in digests if d in known}
     missing = [d for d in digests if d not in out]
     if missing:
