@@ -40,7 +40,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from common import (  # noqa: E402
     measure,
     mib,
     minilm_state,
+    scratch_dir,
     small_state,
     synthetic_state,
     table,
@@ -550,7 +550,7 @@ def main() -> None:
     methods: list[Method] = [TorchSave(), Safetensors(), DCP()]
     methods += [Ckstore(cs, len(chunk_sizes) > 1) for cs in chunk_sizes]
 
-    root = tempfile.mkdtemp(prefix="ckstore-bench-", dir=args.dir or os.getcwd())
+    root = scratch_dir(args.dir or os.getcwd(), "ckstore-bench-")
     cold = drop_caches()
     head = (
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average "

@@ -21,7 +21,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fsync_path, mib, table, tensor_bytes  # noqa: E402
+from common import fsync_path, mib, scratch_dir, table, tensor_bytes  # noqa: E402
 
 import ckstore  # noqa: E402
 from ckstore.cli.demo_train import DemoConfig, Trainer  # noqa: E402
@@ -126,7 +125,7 @@ def main() -> None:
     raw = tensor_bytes(states[0])
     configs = ["torch.save", "whole chunks"] + [f"delta_chain={c}" for c in chains]
     res: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
-    root = Path(tempfile.mkdtemp(prefix="ckstore-bench-delta-", dir=args.dir or os.getcwd()))
+    root = Path(scratch_dir(args.dir or os.getcwd(), "ckstore-bench-delta-"))
     try:
         for rnd in range(args.rounds):
             k = rnd % len(configs)

@@ -43,7 +43,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import mib, table  # noqa: E402
+from common import mib, scratch_dir, table  # noqa: E402
 
 import ckstore  # noqa: E402
 from ckstore.cli.demo_train import DemoConfig, Trainer  # noqa: E402
@@ -368,7 +367,7 @@ def main() -> None:
         ap.error("--rounds, --steps and --gc-every must be at least 1")
     # as the demo does, unless --threads says otherwise
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
-    root = Path(tempfile.mkdtemp(prefix="ckstore-bench-every-step-", dir=args.dir or os.getcwd()))
+    root = Path(scratch_dir(args.dir or os.getcwd(), "ckstore-bench-every-step-"))
     env = (
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch "
         f"threads, load average {os.getloadavg()[0]:.1f} at the start"

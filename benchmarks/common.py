@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -114,6 +115,14 @@ def du(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def scratch_dir(parent: str | None, prefix: str) -> str:
+    """A new folder for a benchmark's files, inside ``parent`` (made first if it does not exist
+    yet; the system's temporary folder when None)."""
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
 
 
 def fresh(path: str) -> str:

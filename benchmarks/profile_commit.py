@@ -21,7 +21,6 @@ import gc
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -37,6 +36,7 @@ from common import (  # noqa: E402
     adam_state,
     drop_caches,
     minilm_state,
+    scratch_dir,
     synthetic_state,
     table,
     tiny_state,
@@ -265,7 +265,7 @@ def main() -> None:
     install(t)
     if t.missing:
         print("not timed (not found in this version):", ", ".join(t.missing), file=sys.stderr)
-    tmp = tempfile.mkdtemp(prefix="ckprofile-", dir=args.dir)
+    tmp = scratch_dir(args.dir, "ckprofile-")
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
     commits: list[tuple[str, dict[str, float]]] = []
     checkouts: list[tuple[str, dict[str, float]]] = []

@@ -31,7 +31,6 @@ import shutil
 import sqlite3
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+from common import scratch_dir, table  # noqa: E402
 
 import ckstore  # noqa: E402
 from ckstore.blobstore import _local  # noqa: E402
@@ -232,7 +231,7 @@ def main() -> None:
     ap.add_argument("--floor-rounds", type=int, default=200)
     ap.add_argument("--dir", default=None, help="where the stores go (default: the system's temp folder)")
     args = ap.parse_args()
-    where = tempfile.mkdtemp(prefix="ckstore-timeline-", dir=args.dir)
+    where = scratch_dir(args.dir, "ckstore-timeline-")
     try:
         timeline(args.commits, where)
         floor(args.floor_rounds, where)
