@@ -3,7 +3,7 @@ batch of objects at a time, and what it staged goes once its chunks are written.
 
 Python's own allocations are counted with tracemalloc (deterministic for the same code, unlike
 a process's resident size); each bound sits between what the code measures now and what it
-measured before these changes (docs/benchmarks.md, "Memory of many-tensor commits")."""
+measured before these changes (docs/benchmarks.md, "Memory of many-tensor commits and checkouts")."""
 
 from __future__ import annotations
 

@@ -245,8 +245,8 @@ def manifest_bytes(tree: Any, tensors: Iterable[dict[str, Any]]) -> bytes:
     """A manifest as the catalog stores it (:meth:`Manifest.to_bytes`), from its tree and its
     tensors' records (:func:`tensor_json`), which may come from a generator: they are written
     as JSON a batch at a time and compressed as a stream (:class:`~ckstore.format.zjson.Document`),
-    never all objects at once (100,000 tensors: the write's peak ~95 MiB lower,
-    docs/benchmarks.md, "Memory of many-tensor commits")."""
+    never all objects at once (100,000 tensors: the write phase's peak 67 MiB lower,
+    docs/benchmarks.md, "Memory of many-tensor commits and checkouts")."""
     doc = zjson.Document(MAX_MANIFEST_BYTES, _too_long)
     doc.add(b'{"version":%d,"tree":' % MANIFEST_VERSION)
     doc.add(zjson.dumps(tree))
