@@ -22,7 +22,7 @@ from ckstore.errors import UnsupportedValueError
 from ckstore.format import manifest as manifest_format
 from ckstore.format import recordio
 from ckstore.format.manifest import Manifest, manifest_bytes, tensor_json
-from ckstore.format.record import checkpoint_key, decode
+from ckstore.format.record import CheckpointRecord, checkpoint_key, decode
 
 
 def _records(n: int) -> Iterator[dict[str, Any]]:
@@ -102,11 +102,33 @@ def test_a_many_tensor_commit_lets_go_of_what_it_staged_before_its_record(
     store.close()
 
 
-def _records_of(store: ckstore.Store) -> list[Any]:
+def _records_of(store: ckstore.Store) -> list[CheckpointRecord]:
     out = []
     for info in store.blobs.list("records/checkpoints/"):
         data = store.blobs.read(info.key)
         assert zstandard.frame_content_size(data) > 0  # every record's frame declares its length
-        out.append(decode(data, info.key))
+        rec = decode(data, info.key)
+        assert isinstance(rec, CheckpointRecord)
+        out.append(rec)
     assert {checkpoint_key(r.ident) for r in out} == {i.key for i in store.blobs.list("records/checkpoints/")}
     return out
+
+
+def test_a_many_tensor_checkout_builds_its_state_dicts_before_reading(tmp_path: Path) -> None:
+    n = 20_000
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(n)}
+    store = ckstore.open(tmp_path / "s", run="exp", create=True)
+    store.commit(1, {0: {"model_states": state}})
+    store.checkout(1)  # (statements and threads warm)
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        got = store.checkout(1)[0]["model_states"]
+        peak = tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+    assert list(got) == list(state) and all(torch.equal(got[k], state[k]) for k in state)
+    # measured: 29.8 MiB, where the manifests' trees and tensor records stayed through the
+    # reads: 37.7 MiB
+    assert peak < 34 << 20, peak / 2**20
+    store.close()

@@ -28,7 +28,7 @@ from ..format.tensorio import byte_view, dtype_from_name, empty_tensor
 from .bases import Bases
 from .readplan import ChunkCopy, ReadPlan
 
-__all__ = ["execute_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX", "LOCAL_READ_MAX"]
+__all__ = ["execute_plan", "allocate_targets", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX", "LOCAL_READ_MAX"]
 
 # Neighbouring chunks of a pack are fetched in one request when the bytes between them are few:
 # at most COALESCE_GAP, and either under COALESCE_SMALL or under 1/COALESCE_WASTE of the bytes the
@@ -91,12 +91,14 @@ def execute_plan(
     workers: int,
     progress: Callable[[int], None] | None = None,
     pin_memory: bool = False,
+    tensors: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor | None]:
     """Fill every buffer of ``plan``; returns the target tensors by buffer index (staging: None).
 
     ``where`` names the checkpoint ("run 'exp1', step 100") in error messages. With
     ``pin_memory`` target tensors are allocated in pinned memory, ready for asynchronous copies
-    to an accelerator.
+    to an accelerator. ``tensors``: the targets, from :func:`allocate_targets` (allocated here
+    when None).
     """
     digests = list(dict.fromkeys(c.digest for c in plan.copies))
     locs = locate(digests)
@@ -105,10 +107,8 @@ def execute_plan(
     bases = Bases(blobs, locate, locs)
     if any(locs[c.digest].base is not None for c in plan.copies):
         bases.prefetch(locs)  # the bases of deltas, read and decoded as their deltas need them
-    tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
-    for i, buf in enumerate(plan.buffers):
-        if not buf.staging:
-            tensors[i] = empty_tensor(dtype_from_name(buf.dtype), buf.shape, pin_memory=pin_memory)
+    if tensors is None:
+        tensors = allocate_targets(plan, pin_memory=pin_memory)
     views: dict[int, np.ndarray] = {i: byte_view(t) for i, t in enumerate(tensors) if t is not None}
 
     # one unit for everything landing in target tensors, one per staging buffer
@@ -198,6 +198,15 @@ def execute_plan(
                     src_sl = tuple(slice(a, b) for a, b in bx.src_box)
                     dst_sl = tuple(slice(a, b) for a, b in bx.dst_box)
                     dst[dst_sl] = staged[src_sl]
+    return tensors
+
+
+def allocate_targets(plan: ReadPlan, *, pin_memory: bool = False) -> list[torch.Tensor | None]:
+    """The (unfilled) target tensors of ``plan``'s buffers, by buffer index (staging: None)."""
+    tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
+    for i, buf in enumerate(plan.buffers):
+        if not buf.staging:
+            tensors[i] = empty_tensor(dtype_from_name(buf.dtype), buf.shape, pin_memory=pin_memory)
     return tensors
 
 

@@ -318,7 +318,7 @@ class StagedCommit:
         rank 0 learns what every rank holds."""
         g, cs = self.g, self.cfg.chunk_size
 
-        def local() -> tuple[bytes, list[int], bytes]:
+        def local() -> tuple[bytes | list[bytes], list[int], bytes | list[bytes]]:
             assert self.pool is not None and self.args is not None and self.layout is not None
             if g.rank == 0 and g.size > 1:  # (a group of one opens it with its claim)
                 self.ckpt_id = self.ctx.catalog.begin_checkpoint(**self._begin_kwargs())
