@@ -128,7 +128,7 @@ def test_a_many_tensor_checkout_builds_its_state_dicts_before_reading(tmp_path: 
     finally:
         tracemalloc.stop()
     assert list(got) == list(state) and all(torch.equal(got[k], state[k]) for k in state)
-    # measured: 29.8 MiB, where the manifests' trees and tensor records stayed through the
-    # reads: 37.7 MiB
-    assert peak < 34 << 20, peak / 2**20
+    # measured: 26.9 MiB; 37.7 MiB while the manifests' trees and tensor records stayed through
+    # the reads, a list of copies was kept per chunk and the manifest's bytes through its parse
+    assert peak < 33 << 20, peak / 2**20
     store.close()
