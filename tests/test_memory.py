@@ -132,3 +132,24 @@ def test_a_many_tensor_checkout_builds_its_state_dicts_before_reading(tmp_path: 
     # the reads, a list of copies was kept per chunk and the manifest's bytes through its parse
     assert peak < 33 << 20, peak / 2**20
     store.close()
+
+
+def test_a_record_past_its_readers_limit_is_refused_and_nothing_stored_is_lost(
+    store: ckstore.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckstore.format import record as record_format
+
+    store.commit(1, {0: {"model_states": {"w": torch.arange(8.0)}}})
+    records_before = {i.key for i in store.blobs.list("records/checkpoints/")}
+    # one chunk location is ~80 bytes of JSON: 1,000 tiny tensors' record passes 20,000 bytes
+    monkeypatch.setattr(record_format, "_MAX_RECORD_BYTES", 20_000)
+    state = {f"t{i}": torch.full((2,), float(i)) for i in range(1_000)}
+    with pytest.raises(UnsupportedValueError, match="record would be more than 20000 bytes of JSON"):
+        store.commit(2, {0: {"model_states": state}})
+    assert [c.step for c in store.checkpoints()] == [1]
+    assert {i.key for i in store.blobs.list("records/checkpoints/")} == records_before
+    assert torch.equal(store.checkout(1)[0]["model_states"]["w"], torch.arange(8.0))
+    monkeypatch.undo()
+    store.commit(2, {0: {"model_states": state}})  # the same state goes in once the limit allows it
+    assert torch.equal(store.checkout(2)[0]["model_states"]["t999"], state["t999"])
+    assert store.fsck().ok  # the refused commit left nothing damaged or pending
