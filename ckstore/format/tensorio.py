@@ -552,7 +552,7 @@ def unflatten(
             return pickle.loads(data)  # noqa: S301 - explicit opt-in
         return tree_format.decode_scalar(node, where, keys)
 
-    return tree_format.rebuild(tree, leaf, where)
+    return tree_format.rebuild(tree, leaf, where, tensor=tensor_at)
 
 
 def iter_tensor_paths(tree: Any) -> dict[int, tuple[Any, ...]]:

@@ -12,6 +12,11 @@ it is untrusted. Every reader of a tree goes through this module:
 * :func:`rebuild` folds a tree back into Python containers, calling ``leaf`` for every non-container
   node (tensors, scalars, pickles): what checkout uses.
 
+:func:`check_tree` and :func:`rebuild` first try a walk without key paths, which only accepts
+exact JSON types and gives up at the first doubt (``rebuild``'s recurses, and gives up past
+:data:`MAX_DEPTH` levels); the walk with key paths then decides, and its errors are the ones
+raised. The rules are the same either way.
+
 The walkers raise :class:`IntegrityError` on a malformed node even for a tree that skipped
 :func:`check_tree`, but only :func:`check_tree` enforces the tensor and duplicate-key rules.
 """
@@ -163,6 +168,8 @@ def check_tree(tree: Any, n_tensors: int, where: str = "") -> None:
 
     Raises :class:`IntegrityError` naming the key path of the first problem.
     """
+    if _passes(tree, n_tensors):
+        return
     seen = bytearray(n_tensors)
     for keys, tag, node in nodes(tree, where):
         if tag == "T":
@@ -182,6 +189,72 @@ def check_tree(tree: Any, n_tensors: int, where: str = "") -> None:
         raise IntegrityError(f"{where}manifest lists tensor {seen.index(0)}, which its tree never references")
 
 
+def _passes(tree: Any, n_tensors: int) -> bool:
+    """True when ``tree`` keeps every rule :func:`check_tree` enforces, decided a node at a time
+    with no key path per node (100,000 tensors: 45 against 142 ms); False when it may not, and
+    :func:`check_tree`'s walk with key paths names the problem (or accepts what this is too
+    strict for: only exact JSON types pass here)."""
+    seen = bytearray(n_tensors)
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        node, depth = pop()
+        if type(node) is not list or not node or depth > MAX_DEPTH:
+            return False
+        tag = node[0]
+        if tag == "T":
+            i = node[1] if len(node) == 2 else None
+            if type(i) is not int or not 0 <= i < n_tensors or seen[i]:
+                return False
+            seen[i] = 1
+        elif tag == "d":
+            if len(node) != 2 or type(node[1]) is not list:
+                return False
+            keys = []
+            for item in node[1]:
+                if type(item) is not list or len(item) != 2:
+                    return False
+                k = item[0]
+                if type(k) is list and len(k) == 2 and k[0] == "s" and type(k[1]) is str:
+                    keys.append(k[1])
+                else:
+                    try:
+                        key = decode_key(k)
+                    except IntegrityError:
+                        return False
+                    if not _is_nan(key):
+                        keys.append(key)
+                push((item[1], depth + 1))
+            if len(set(keys)) != len(keys):
+                return False
+        elif tag == "l" or tag == "t":
+            if len(node) != 2 or type(node[1]) is not list:
+                return False
+            for child in node[1]:
+                push((child, depth + 1))
+        elif tag == "s":
+            if len(node) != 2 or type(node[1]) is not str:
+                return False
+        elif tag == "i":
+            if len(node) != 2 or type(node[1]) is not int:
+                return False
+        elif tag == "n":
+            if len(node) != 1:
+                return False
+        elif type(tag) is str and tag in _OTHER_LEAVES:
+            try:
+                _check_leaf(node, tag, "", ())
+            except IntegrityError:
+                return False
+        else:
+            return False
+    return n_tensors == 0 or all(seen)
+
+
+#: the leaf tags :func:`_passes` and :func:`_plain` leave to the general checks
+_OTHER_LEAVES = frozenset("bfyP")
+
+
 def _is_nan(k: Any) -> bool:
     return isinstance(k, float) and math.isnan(k)
 
@@ -191,8 +264,24 @@ def tensor_paths(tree: Any, where: str = "") -> dict[int, tuple[Any, ...]]:
     return {int(node[1]): keys for keys, tag, node in nodes(tree, where) if tag == "T"}
 
 
-def rebuild(tree: Any, leaf: Callable[[tuple[Any, ...], str, Any], Any], where: str = "") -> Any:
-    """Rebuild Python containers from ``tree``; ``leaf(keys, tag, node)`` makes every other value."""
+def rebuild(
+    tree: Any,
+    leaf: Callable[[tuple[Any, ...], str, Any], Any],
+    where: str = "",
+    *,
+    tensor: Callable[[int], Any] | None = None,
+) -> Any:
+    """Rebuild Python containers from ``tree``; ``leaf(keys, tag, node)`` makes every other value.
+
+    ``tensor``: what ``leaf`` returns for a tensor node ``["T", i]``, as ``tensor(i)``, and
+    ``leaf`` returns the scalars :func:`decode_scalar` decodes. A tree of containers, tensors
+    and scalars (no pickles) is then rebuilt without key paths (7,200 tensors: 4 against 21
+    ms); any other goes through ``leaf``, from the start."""
+    if tensor is not None:
+        try:
+            return _plain(tree, 0, tensor)
+        except _Irregular:
+            pass
     # each open container: (tag, list of built children, keys of its children, remaining count)
     root: list[Any] = []
     open_: list[tuple[str, list[Any], list[Any], list[int]]] = [("l", root, [], [1])]
@@ -221,6 +310,52 @@ def rebuild(tree: Any, leaf: Callable[[tuple[Any, ...], str, Any], Any], where: 
             _put(leaf(keys, tag, node))
         close_finished()
     return root[0]
+
+
+class _Irregular(Exception):
+    """A node :func:`_plain` leaves to :func:`rebuild`'s general walk."""
+
+
+def _plain(node: Any, depth: int, tensor: Callable[[int], Any]) -> Any:
+    if type(node) is not list or not node or depth > MAX_DEPTH:
+        raise _Irregular
+    tag = node[0]
+    n = len(node)
+    if tag == "T":
+        if n == 2 and type(node[1]) is int:
+            return tensor(node[1])
+    elif tag == "d":
+        if n == 2 and type(node[1]) is list:
+            out = {}
+            for item in node[1]:
+                if type(item) is not list or len(item) != 2:
+                    raise _Irregular
+                k = item[0]
+                if type(k) is list and len(k) == 2 and k[0] == "s" and type(k[1]) is str:
+                    out[k[1]] = _plain(item[1], depth + 1, tensor)
+                else:
+                    try:
+                        key = decode_key(k)
+                    except IntegrityError:
+                        raise _Irregular from None
+                    out[key] = _plain(item[1], depth + 1, tensor)
+            return out
+    elif tag == "l" or tag == "t":
+        if n == 2 and type(node[1]) is list:
+            items = [_plain(child, depth + 1, tensor) for child in node[1]]
+            return items if tag == "l" else tuple(items)
+    elif tag == "s" or tag == "i":
+        if n == 2 and type(node[1]) is (str if tag == "s" else int):
+            return node[1]
+    elif tag == "n":
+        if n == 1:
+            return None
+    elif tag == "b" or tag == "f" or tag == "y":
+        try:
+            return decode_scalar(node)
+        except IntegrityError:
+            raise _Irregular from None
+    raise _Irregular
 
 
 def _events(tree: Any, where: str) -> Iterator[tuple[tuple[Any, ...], Any]]:
