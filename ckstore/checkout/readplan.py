@@ -130,8 +130,13 @@ class PlanBuilder:
 
     def whole(self, rec: TensorRecord, source: str) -> int:
         """A new target buffer holding all of stored tensor ``rec``."""
-        buf = self.buffer(rec.dtype, rec.shape, staging=False)
-        self.copy_bytes(rec, 0, rec.nbytes, buf, 0, source)
+        n = rec.nbytes  # (a record's nbytes is its dtype's size times its shape's product)
+        self.buffers.append(Buffer(rec.dtype, rec.shape, n, False))
+        buf = len(self.buffers) - 1
+        if 0 < n <= rec.chunk_size:  # one chunk, all of it (most tensors)
+            self.copies.append(ChunkCopy(rec.chunks[0], n, 0, n, buf, 0, source))
+        else:
+            self.copy_bytes(rec, 0, n, buf, 0, source)
         return buf
 
     def piece(
