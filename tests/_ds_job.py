@@ -8,11 +8,13 @@ an assertion that fails makes the process exit non-zero with the traceback in th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
@@ -136,15 +138,49 @@ def resume(store: ckstore.Store, rank: int, world: int, stage: int, bf16: bool) 
 
     b = make_engine(stage, bf16, seed=1)
     fresh = digest(b)
-    client_state, got = ckds.load(b, store, f"{run}@resume")
+    with counting_reads(store) as reads:
+        client_state, got = ckds.load(b, store, f"{run}@resume")
     assert got.id == ck.id and b.global_steps == 2, (got, b.global_steps)
     assert client_state["epoch"] == 3 and client_state["note"] == "resume", client_state
     train_step(b, 3, rank)
     return {
         "run": run, "step": ck.step, "ranks": list(ck.ranks), "sub_keys": list(ck.sub_keys),
         "layout": ck.world_layout.mesh, "kind": ck.kind, "tags": list(ck.tags),
-        "want": want, "got": digest(b), "fresh": fresh,
+        "want": want, "got": digest(b), "fresh": fresh, "asked": reads["asked"], "read": reads["read"],
     }  # fmt: skip
+
+
+@contextlib.contextmanager
+def counting_reads(store: ckstore.Store) -> Iterator[dict[str, dict[str, int]]]:
+    """Count, by sub-checkpoint, what the engine asks the serving checkpoint engine for
+    (``asked``) and what is read from the store for it (``read``)."""
+    from ckstore.integrations.deepspeed import _engine
+
+    counts: dict[str, dict[str, int]] = {"asked": {}, "read": {}}
+    serve_engine, load = _engine._serve_engine, store.load
+
+    def counted_serve_engine(fetch: Any, folder: str) -> Any:
+        eng = serve_engine(fetch, folder)
+        served = eng.load
+
+        def asked(path: str, map_location: Any = None) -> Any:
+            stem = _engine.stem_of(path, folder)
+            counts["asked"][stem] = counts["asked"].get(stem, 0) + 1
+            return served(path, map_location)
+
+        eng.load = asked
+        return eng
+
+    def read(ckpt: Any, **kwargs: Any) -> Any:
+        for key in kwargs.get("sub_keys") or ["*"]:
+            counts["read"][key] = counts["read"].get(key, 0) + 1
+        return load(ckpt, **kwargs)
+
+    _engine._serve_engine, store.load = counted_serve_engine, read  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        _engine._serve_engine, store.load = serve_engine, load  # type: ignore[method-assign]
 
 
 def scenario_main(store: ckstore.Store, rank: int, world: int, out: dict[str, Any], arg: str) -> None:

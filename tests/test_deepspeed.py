@@ -137,6 +137,10 @@ def test_resume_is_bit_exact(jobs: Jobs, world: int, stage: int, bf16: bool) -> 
         assert case["fresh"] != case["want"], (run, rank)
         assert case["ranks"] == list(range(world)) and case["layout"] == {"dp": world}
         assert case["step"] == 2 and case["kind"] == "epoch" and case["tags"] == ["resume"]
+        # every sub-checkpoint the engine asked for was read from the store once, though it asks
+        # for the model states twice in a row (for their keys, then to load them)
+        assert case["read"] == {stem: 1 for stem in case["asked"]}, (run, rank, case["asked"], case["read"])
+        assert sum(case["asked"].values()) > len(case["asked"]), (run, rank, case["asked"])
     keys = set(jobs.reports[world][0]["resume"][[c["run"] for c in jobs.reports[world][0]["resume"]].index(run)]["sub_keys"])
     prefix = "bf16_" if bf16 and stage > 0 else ""
     optim = {f"{prefix}zero_pp_rank_{d}_mp_rank_00_optim_states" for d in range(world)} if stage else set()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -146,10 +147,18 @@ def _serve_engine(fetch: Callable[[str], Any], folder: str) -> Any:
     base = CheckpointEngineBase()
 
     class _Serve(base):  # type: ignore[misc, valid-type]
-        """Hands the engine its sub-checkpoints from ``fetch(stem)``."""
+        """Hands the engine its sub-checkpoints from ``fetch(stem)``.
+
+        DeepSpeed reads the model states twice in a row: once for their keys (its state-dict
+        loader's ``check_ckpt_list``), then to load them. So the last sub-checkpoint handed out
+        is kept and handed out again when the engine asks for the same one next, provided the
+        engine let go of it (nothing but this holds it: two of the engine's reads never share
+        an object); otherwise, or for another sub-checkpoint, it is dropped before ``fetch``
+        reads anew."""
 
         def __init__(self) -> None:
             self.name = "ckstore-serve"
+            self._last: tuple[str, Any] | None = None
 
         def create(self, info: Any) -> None:
             pass
@@ -158,7 +167,16 @@ def _serve_engine(fetch: Callable[[str], Any], folder: str) -> Any:
             raise CkstoreError(f"nothing can be saved while a checkpoint is loaded ({path})")
 
         def load(self, path: str, map_location: Any = None) -> Any:
-            return fetch(stem_of(path, folder))
+            stem = stem_of(path, folder)
+            last, self._last = self._last, None
+            # references to the object once the engine let go: the pair's, and getrefcount's own
+            if last is not None and last[0] == stem and sys.getrefcount(last[1]) == 2:
+                got = last[1]
+            else:
+                last = None
+                got = fetch(stem)
+            self._last = (stem, got)
+            return got
 
         def commit(self, info: Any) -> bool:
             return True
