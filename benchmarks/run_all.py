@@ -10,7 +10,8 @@ measure). Its output streams through, under a header naming the command. A scrip
 fails the whole run: the others still run, then the run exits non-zero naming it (``--fail-fast``
 stops at the first). ``gpu_check.py`` runs only where torch sees a CUDA device;
 ``bench_backends.py`` needs PostgreSQL (``CKSTORE_BENCH_PG``) and moto's server, and
-``bench_gc.py`` measures PostgreSQL where it is reachable (SQLite only otherwise): a script left
+``bench_gc.py`` measures PostgreSQL where it is reachable (SQLite only otherwise), and
+``bench_deepspeed.py`` runs where DeepSpeed is installed: a script left
 out, or run on fewer backends, is named in the summary. A script this file does not know runs
 with its own defaults.
 """
@@ -18,6 +19,7 @@ with its own defaults.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -43,6 +45,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "timeline_commit.py": ([], ["--commits", "10", "--floor-rounds", "10"]),
     "bench_distributed.py": ([], ["--sharded-mib", "16", "--replicated-mib", "8", "--repeat", "1"]),
     "bench_async_dcp.py": ([], ["--size-mib", "16", "--rounds", "1"]),
+    "bench_deepspeed.py": ([], ["--configs", "2", "--width", "256", "--layers", "2", "--rounds", "1"]),
     "bench_backends.py": ([], ["--mib", "8", "--grow", "20", "--seconds", "0.3"]),
     "bench_gc.py": ([], ["--checkpoints", "100"]),  # a multiple of its 4 runs
     "bench_repack.py": (
@@ -109,6 +112,9 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, list[str]]], list[st
             notes.append(f"{name}: not known to run_all.py, ran with its own defaults")
         if name == "gpu_check.py" and not has_cuda():
             notes.append(f"{name}: left out, torch sees no CUDA device")
+            continue
+        if name == "bench_deepspeed.py" and importlib.util.find_spec("deepspeed") is None:
+            notes.append(f"{name}: left out, DeepSpeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)")
             continue
         if name == "bench_backends.py":
             if not reachable(pg, 5432):
