@@ -402,7 +402,7 @@ class Store:
             raise CheckpointNotFoundError(
                 f"run {ckpt.run!r}, step {ckpt.step} was deleted (by gc or `ckstore rm`) while it was being checked out"
             )
-        sizes = {t.dtype: itemsize(dtype_from_name(t.dtype)) for m in mans.values() for t in m.tensors}
+        sizes = {d: itemsize(dtype_from_name(d)) for d in {t.dtype for m in mans.values() for t in m.tensors}}
         where = f"run {ckpt.run!r}, step {ckpt.step}"
         plan = plan_checkout(mans, ckpt.world_layout, target, rank_list, sizes, fallback=fallback, where=where)
         del mans  # the plan holds what the reads need: the tensor records go before them (100,000: 13 MiB)
@@ -452,7 +452,7 @@ class Store:
         from .checkout.reshard import plan_boxes
         from .format.tensorio import dtype_from_name, itemsize
 
-        sizes = {p.record.dtype: itemsize(dtype_from_name(p.record.dtype)) for pieces, _ in wanted for p in pieces}
+        sizes = {d: itemsize(dtype_from_name(d)) for d in {p.record.dtype for pieces, _ in wanted for p in pieces}}
         plan = plan_boxes(wanted, sizes)
         where = f"run {ckpt.run!r}, step {ckpt.step}"
         tensors = execute_plan(plan, self.blobs, self.catalog.chunk_locations, where=where, workers=self.workers)

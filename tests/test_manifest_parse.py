@@ -98,7 +98,7 @@ def test_records_share_their_dtype_name() -> None:
 
 _KEYS = st.one_of(
     st.builds(lambda s: ["s", s], st.sampled_from(["a", "b", "1", ""])), st.builds(lambda i: ["i", i], st.integers(0, 2)),
-    st.builds(lambda b: ["b", b], st.booleans()), st.sampled_from([["f", "1.0"], ["f", "nan"], ["n"], ["y", "AA=="], ["s"], 7]),
+    st.builds(lambda b: ["b", b], st.booleans()), st.sampled_from([["f", "1.0"], ["f", "nan"], ["n"], ["y", "AA=="], ["s"], 7, ["i", True], ["s", 1], ["i", "7"], ["", 1]]),
 )  # fmt: skip
 _LEAVES = st.one_of(
     st.builds(lambda s: ["s", s], st.text(max_size=3)), st.builds(lambda i: ["i", i], st.integers(-2, 2)),

@@ -220,9 +220,13 @@ def _copies(got: ChunkCopy | list[ChunkCopy]) -> Sequence[ChunkCopy]:
 def allocate_targets(plan: ReadPlan, *, pin_memory: bool = False) -> list[torch.Tensor | None]:
     """The (unfilled) target tensors of ``plan``'s buffers, by buffer index (staging: None)."""
     tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
+    dtypes: dict[str, torch.dtype] = {}
     for i, buf in enumerate(plan.buffers):
         if not buf.staging:
-            tensors[i] = empty_tensor(dtype_from_name(buf.dtype), buf.shape, pin_memory=pin_memory)
+            dt = dtypes.get(buf.dtype)
+            if dt is None:
+                dt = dtypes[buf.dtype] = dtype_from_name(buf.dtype)
+            tensors[i] = empty_tensor(dt, buf.shape, pin_memory=pin_memory)
     return tensors
 
 

@@ -215,7 +215,7 @@ def _passes(tree: Any, n_tensors: int) -> bool:
                 if type(item) is not list or len(item) != 2:
                     return False
                 k = item[0]
-                if type(k) is list and len(k) == 2 and k[0] == "s" and type(k[1]) is str:
+                if type(k) is list and len(k) == 2 and _plain_key(k[0], k[1]):
                     keys.append(k[1])
                 else:
                     try:
@@ -253,6 +253,12 @@ def _passes(tree: Any, n_tensors: int) -> bool:
 
 #: the leaf tags :func:`_passes` and :func:`_plain` leave to the general checks
 _OTHER_LEAVES = frozenset("bfyP")
+
+
+def _plain_key(tag: Any, value: Any) -> bool:
+    """A dict key node's tag and payload: a str or an int key (an optimizer's state is keyed by
+    ints), which decodes to its payload."""
+    return (tag == "s" and type(value) is str) or (tag == "i" and type(value) is int)
 
 
 def _is_nan(k: Any) -> bool:
@@ -331,7 +337,7 @@ def _plain(node: Any, depth: int, tensor: Callable[[int], Any]) -> Any:
                 if type(item) is not list or len(item) != 2:
                     raise _Irregular
                 k = item[0]
-                if type(k) is list and len(k) == 2 and k[0] == "s" and type(k[1]) is str:
+                if type(k) is list and len(k) == 2 and _plain_key(k[0], k[1]):
                     out[k[1]] = _plain(item[1], depth + 1, tensor)
                 else:
                     try:
