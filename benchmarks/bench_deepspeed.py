@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_caches, du, scratch_dir, table  # noqa: E402
+from common import drop_caches, du, free_port, fsync_files, scratch_dir, table  # noqa: E402
 
 METHODS = ("deepspeed", "ckstore")
 
@@ -90,15 +89,6 @@ def _own_files(folder: Path, rank: int) -> list[Path]:
     return ours
 
 
-def _fsync(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def worker(args: argparse.Namespace) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port), "RANK": str(args.rank),
                        "WORLD_SIZE": str(args.world), "LOCAL_RANK": str(args.rank),
@@ -143,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
                 engine.save_checkpoint(str(folder), tag="bench")
                 dist.barrier()
                 t1 = time.perf_counter()
-                _fsync([*_own_files(folder, args.rank), folder / "bench", folder])
+                fsync_files([*_own_files(folder, args.rank), folder / "bench", folder])
                 dist.barrier()
                 times.setdefault("ds_save", []).append(t1 - t0)
                 times.setdefault("ds_save_fsync", []).append(time.perf_counter() - t0)
@@ -174,15 +164,9 @@ def worker(args: argparse.Namespace) -> None:
 # -- the launcher ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(args: argparse.Namespace, config: str, extensions: str) -> dict[str, Any]:
     out = Path(args.dir) / f"result-{config.replace(':', '-')}.json"
-    cmd = [sys.executable, __file__, "--worker", "--dir", args.dir, "--port", str(_free_port()),
+    cmd = [sys.executable, __file__, "--worker", "--dir", args.dir, "--port", str(free_port()),
            "--world", str(args.world), "--config", config, "--rounds", str(args.rounds),
            "--width", str(args.width), "--layers", str(args.layers), "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": extensions}

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port  # noqa: E402
 
 TENSOR_MIB = 8  # the sharded state is made of 8 MiB fp32 matrices, the replicated one of 4 MiB
 JOBS = [(4, []), (2, [4]), (1, [2, 4])]  # (world size, earlier jobs whose checkpoints it reshards)
@@ -161,15 +163,9 @@ def worker(args: argparse.Namespace) -> None:
 # -- the launcher ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(args: argparse.Namespace, world: int, reshard_from: list[int]) -> dict[str, Any]:
     out = Path(args.dir) / f"result-{world}.json"
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, __file__, "--worker", "--dir", args.dir, "--port", str(port), "--world", str(world),
            "--sharded-mib", str(args.sharded_mib), "--replicated-mib", str(args.replicated_mib),
            "--repeat", str(args.repeat), "--out", str(out), "--reshard-from", *map(str, reshard_from)]  # fmt: skip

@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,12 +104,24 @@ def fsync_path(path: str) -> None:
     paths = [path]
     if os.path.isdir(path):
         paths = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] + [path]
+    fsync_files(paths)
+
+
+def fsync_files(paths: Iterable[str | os.PathLike[str]]) -> None:
+    """fsync each of these files or folders."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface (for a job's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def du(path: str) -> int:
