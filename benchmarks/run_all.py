@@ -42,6 +42,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "bench_every_step.py": ([], ["--steps", "20", "--rounds", "1", "--gc-every", "5"]),
     "profile_commit.py": ([], ["--only", "4mib,minilm-bf16,adam"]),
     "bench_memory.py": ([], ["--tiny-count", "5000"]),
+    "bench_resume.py": ([], ["--only", "4mib", "--rounds", "1"]),
     "timeline_commit.py": ([], ["--commits", "10", "--floor-rounds", "10"]),
     "bench_distributed.py": ([], ["--sharded-mib", "16", "--replicated-mib", "8", "--repeat", "1"]),
     "bench_async_dcp.py": ([], ["--size-mib", "16", "--rounds", "1"]),
