@@ -214,16 +214,12 @@ def _passes(tree: Any, n_tensors: int) -> bool:
             for item in node[1]:
                 if type(item) is not list or len(item) != 2:
                     return False
-                k = item[0]
-                if type(k) is list and len(k) == 2 and _plain_key(k[0], k[1]):
-                    keys.append(k[1])
-                else:
-                    try:
-                        key = decode_key(k)
-                    except IntegrityError:
-                        return False
-                    if not _is_nan(key):
-                        keys.append(key)
+                try:
+                    key = _fast_key(item[0])
+                except _Irregular:
+                    return False
+                if not _is_nan(key):
+                    keys.append(key)
                 push((item[1], depth + 1))
             if len(set(keys)) != len(keys):
                 return False
@@ -255,10 +251,22 @@ def _passes(tree: Any, n_tensors: int) -> bool:
 _OTHER_LEAVES = frozenset("bfyP")
 
 
-def _plain_key(tag: Any, value: Any) -> bool:
-    """A dict key node's tag and payload: a str or an int key (an optimizer's state is keyed by
-    ints), which decodes to its payload."""
-    return (tag == "s" and type(value) is str) or (tag == "i" and type(value) is int)
+class _Irregular(Exception):
+    """A node the walks without key paths leave to the walks with them."""
+
+
+def _fast_key(k: Any) -> Any:
+    """A dict key node's value for the walks without key paths: a str or an int key (an
+    optimizer's state is keyed by ints) straight from its payload, any other as
+    :func:`decode_key` decodes it; :class:`_Irregular` where that refuses it."""
+    if type(k) is list and len(k) == 2:
+        tag, value = k
+        if (tag == "s" and type(value) is str) or (tag == "i" and type(value) is int):
+            return value
+    try:
+        return decode_key(k)
+    except IntegrityError:
+        raise _Irregular from None
 
 
 def _is_nan(k: Any) -> bool:
@@ -318,10 +326,6 @@ def rebuild(
     return root[0]
 
 
-class _Irregular(Exception):
-    """A node :func:`_plain` leaves to :func:`rebuild`'s general walk."""
-
-
 def _plain(node: Any, depth: int, tensor: Callable[[int], Any]) -> Any:
     if type(node) is not list or not node or depth > MAX_DEPTH:
         raise _Irregular
@@ -336,15 +340,8 @@ def _plain(node: Any, depth: int, tensor: Callable[[int], Any]) -> Any:
             for item in node[1]:
                 if type(item) is not list or len(item) != 2:
                     raise _Irregular
-                k = item[0]
-                if type(k) is list and len(k) == 2 and _plain_key(k[0], k[1]):
-                    out[k[1]] = _plain(item[1], depth + 1, tensor)
-                else:
-                    try:
-                        key = decode_key(k)
-                    except IntegrityError:
-                        raise _Irregular from None
-                    out[key] = _plain(item[1], depth + 1, tensor)
+                key = _fast_key(item[0])
+                out[key] = _plain(item[1], depth + 1, tensor)
             return out
     elif tag == "l" or tag == "t":
         if n == 2 and type(node[1]) is list:
