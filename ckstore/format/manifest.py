@@ -35,7 +35,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import zstandard
 
@@ -137,9 +137,10 @@ def tensor_json(
     return obj
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRecord:
-    """One stored tensor: its raw bytes are the concatenation of ``chunks``."""
+class TensorRecord(NamedTuple):
+    """One stored tensor: its raw bytes are the concatenation of ``chunks``. A tuple: a manifest
+    of 100,000 tensors makes as many, and a tuple is made in a third of the time of a frozen
+    dataclass."""
 
     path: str
     dtype: str

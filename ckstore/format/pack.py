@@ -23,8 +23,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from contextlib import ExitStack
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._crash import crash_point
 from .._threads import TaskGroup
@@ -55,8 +54,9 @@ def new_pack_key() -> str:
     return f"{PACK_PREFIX}{h[:2]}/{h}"
 
 
-@dataclass(frozen=True, slots=True)
-class PackedChunk:
+class PackedChunk(NamedTuple):
+    """One chunk's frame in a pack (a tuple: one is made per chunk a commit writes)."""
+
     digest: bytes
     offset: int
     length: int

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import zstandard
 
@@ -97,10 +97,10 @@ def checkpoint_key(ident: Identity) -> str:
     return f"{CHECKPOINTS_PREFIX}{h[:2]}/{h}"
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkHint:
+class ChunkHint(NamedTuple):
     """Where a chunk was stored when the record was written (a pack's own index is the truth;
-    a hint gives the codec and saves reading frame headers)."""
+    a hint gives the codec and saves reading frame headers). A tuple: a record holds one per
+    chunk."""
 
     digest: bytes
     pack: str

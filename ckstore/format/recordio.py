@@ -76,7 +76,7 @@ def record_from_catalog(
         logical_bytes=sum(e[3] for e in entries),
         stored_bytes_added=stored_bytes_added,
         entries=tuple(entries),
-        chunks=tuple(ChunkHint(*c) for c in f.chunks),
+        chunks=tuple(map(ChunkHint._make, f.chunks)),
     )
 
 
