@@ -10,6 +10,7 @@ target) live only until their box copies are done.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -110,8 +111,10 @@ def execute_plan(
         bases.prefetch(locs)  # the bases of deltas, read and decoded as their deltas need them
     if tensors is None:
         tensors = allocate_targets(plan, pin_memory=pin_memory)
-    # by buffer index (a list: a dict of 100,000 views added 5 MiB to a checkout's peak)
-    views: list[Any] = [None if t is None else byte_view(t) for t in tensors]  # (None: a staging buffer)
+    # by buffer index (a list: a dict of 100,000 views added 5 MiB to a checkout's peak); they
+    # point into ``tensors``, which outlive them: every task that writes through them ends
+    # before the pool's block does
+    views: list[Any] = [None if t is None else _target_view(t) for t in tensors]  # (None: a staging buffer)
 
     # one unit for everything landing in target tensors, one per staging buffer
     units: dict[int | None, list[ChunkCopy]] = defaultdict(list)
@@ -213,6 +216,17 @@ def execute_plan(
     return tensors
 
 
+def _target_view(t: torch.Tensor) -> Any:
+    """A writable view of a target tensor's bytes. A fresh contiguous CPU tensor's memory is viewed
+    through a ctypes array at its address (1.4 against 3.9 µs through numpy: a checkout of
+    100,000 tiny tensors makes one view of each), which holds no reference to the tensor: the
+    caller keeps the tensor alive while the view is used."""
+    n = t.nbytes
+    if n == 0 or not t.is_cpu or not t.is_contiguous():
+        return byte_view(t)
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
 def _copies(got: ChunkCopy | list[ChunkCopy]) -> Sequence[ChunkCopy]:
     return got if isinstance(got, list) else (got,)
 
@@ -269,20 +283,22 @@ def _deliver(
 ) -> None:
     raw_size = loc.raw_size
     whole = next((c for c in copies if c.src_start == 0 and c.src_stop == raw_size), None)
-    if whole is not None:
-        decoded = views[whole.buffer][whole.dst_offset : whole.dst_offset + raw_size]
+    decoded: memoryview
+    if whole is not None:  # decoded in place (views: memoryviews, or numpy arrays of staging buffers)
+        target = views[whole.buffer][whole.dst_offset : whole.dst_offset + raw_size]
+        decoded = target if isinstance(target, memoryview) else target.data
     else:
-        decoded = np.empty(raw_size, dtype=np.uint8)
+        decoded = np.empty(raw_size, dtype=np.uint8).data
     try:
         if loc.base is None:  # (a delta's frame refuses to decode without its base)
-            codec.decode_into(frame, decoded.data)
+            codec.decode_into(frame, decoded)
         else:
-            bases.decode(frame, loc, decoded.data)
+            bases.decode(frame, loc, decoded)
     except IntegrityError as e:
         raise IntegrityError(f"{where}, {copies[0].source}: chunk {digest.hex()} is corrupt: {e}") from e
     except ChunkNotFoundError as e:
         raise ChunkNotFoundError(f"{where}, {copies[0].source}: chunk {digest.hex()} is a delta: {e}") from e
-    if hashing.digest(decoded.data) != digest:
+    if hashing.digest(decoded) != digest:
         raise IntegrityError(
             f"{where}, {copies[0].source}: chunk {digest.hex()} does not match its digest; the stored "
             "bytes are corrupt (run `ckstore fsck --deep`)"
