@@ -88,6 +88,36 @@ def test_chunks_recorded_first_by_another_commit_add_nothing(catalog: Catalog, n
     assert added3 == 0 and len(facts3.chunks) == n
 
 
+def test_a_record_takes_the_locations_of_the_chunks_its_commit_wrote_as_recorded(store: ckstore.Store) -> None:
+    """A commit whose chunk rows were all its own hands its record their locations as it
+    recorded them, and reads back only those of the chunks stored before (none, the first
+    time): the record names the same locations, by digest, as the catalog holds."""
+    from ckstore.format.record import CheckpointRecord, Identity, checkpoint_key, decode
+
+    queries: list[str] = []
+
+    def seen(conn: object, cursor: object, statement: str, *_: object) -> None:
+        if "chunk_refs" in statement and "chunks.raw_size" in statement:  # a record's locations
+            queries.append(" ".join(statement.split()).upper())
+
+    event.listen(store.catalog.engine, "before_cursor_execute", seen)
+    g = torch.Generator().manual_seed(0)
+    frozen = {f"f{i}": torch.randn(2000, generator=g) for i in range(30)}  # stored by the first commit only
+    for step in range(3):
+        live = {f"w{i}": torch.randn(1500, generator=g) for i in range(30)}  # new every commit
+        queries.clear()
+        ck = store.commit(step, {0: {"model_states": {**frozen, **live}}, 1: {"model_states": live}})
+        ident = store.catalog.identity(ck.id)
+        assert ident is not None
+        rec = decode(store.blobs.read(checkpoint_key(Identity(*ident[0]))), "record")
+        assert isinstance(rec, CheckpointRecord)
+        want = store.catalog.record_facts(ck.id).chunks  # read back from the catalog, by digest
+        assert [tuple(c) for c in rec.chunks] == [tuple(c) for c in want]
+        assert len(rec.chunks) == 120  # two chunks of 4 KiB a tensor
+        assert len(queries) == 2 and "NOT IN" in queries[0], queries  # given, then the full read above
+    event.remove(store.catalog.engine, "before_cursor_execute", seen)
+
+
 def test_a_whole_checkout_finds_its_chunks_in_one_query_and_a_damaged_reference_by_digest(
     store: ckstore.Store,
 ) -> None:

@@ -341,7 +341,7 @@ class CommitMixin(RunsMixin):
         :meth:`finish_checkpoint`."""
         with self._write(lock="shared", durable=False) as conn:
             self._own_pending(conn, ckpt_id, owner)
-            return self._add_packs(conn, ckpt_id, [(pack_id, pack_size, chunks)], ())
+            return self._add_packs(conn, ckpt_id, [(pack_id, pack_size, chunks)], ())[0]
 
     def _add_packs(
         self,
@@ -349,8 +349,11 @@ class CommitMixin(RunsMixin):
         ckpt_id: int,
         packs: Sequence[tuple[int, int, Sequence[ChunkRow]]],
         unused: Sequence[int],
-    ) -> int:
+    ) -> tuple[int, bool]:
+        """Record the chunk rows of ``packs`` and reference them; returns the stored bytes they
+        add, and whether every row was inserted here (none recorded by another commit first)."""
         added = 0
+        all_ours = True
         # digest order across every pack: two commits inserting overlapping chunks lock them in
         # the same order, so on PostgreSQL one waits for the other instead of deadlocking
         ordered = sorted(((pack_id, c) for pack_id, _, chunks in packs for c in chunks), key=lambda pc: pc[1].digest)
@@ -370,6 +373,7 @@ class CommitMixin(RunsMixin):
             if inserted == len(batch):  # every row ours: what they add is known, and their
                 added += sum(c.length for _, c in batch)  # references go in by pack, below
                 continue
+            all_ours = False
             # some rows another commit recorded first: reference the batch's chunks by digest,
             # wherever they were recorded, and ask which rows are ours (by digest only: a
             # condition on pack_id leads SQLite's planner to scan the pack's earlier rows)
@@ -382,7 +386,7 @@ class CommitMixin(RunsMixin):
         for pack_id, _, chunks in packs:
             if chunks:
                 execute(conn, st.refs_by_pack, {"ckpt": ckpt_id, "pack": pack_id})
-        return added
+        return added, all_ours
 
     def finish_checkpoint(
         self,
@@ -426,12 +430,15 @@ class CommitMixin(RunsMixin):
         try:
             with self._write(lock="shared") as conn:
                 row = self._own_pending(conn, ckpt_id, owner)
+                given: Sequence[tuple[int, int, Sequence[ChunkRow]]] = ()
                 if packs or unused:
-                    stored_bytes_added += self._add_packs(conn, ckpt_id, packs, unused)
+                    added, all_ours = self._add_packs(conn, ckpt_id, packs, unused)
+                    stored_bytes_added += added
+                    given = packs if all_ours else ()  # their chunks' locations, as recorded
                 for dropped in batches(list(unneeded)):
                     execute(conn, _DROP_REFS, {"ckpt": ckpt_id, "digests": dropped})
                 crash_point("pack.chunks_recorded")
-                written = record(stored_bytes_added, read_facts(conn, ckpt_id)) if record is not None else None
+                written = record(stored_bytes_added, read_facts(conn, ckpt_id, given)) if record is not None else None
                 old = execute(conn, _COMMITTED_AT_STEP, {"run": row.run_id, "step": row.step}).scalar()
                 if old is not None:
                     if not replace:

@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from operator import itemgetter
+from typing import Any
 
 from sqlalchemy import Connection, bindparam, select, update
 
@@ -27,6 +29,7 @@ from ._rows import (
     PACKS,
     RUNS,
     TAGS,
+    ChunkRow,
     aware,
     batches,
     utcnow,
@@ -77,6 +80,15 @@ _CHUNKS_OF = (
     .where(CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"))
     .order_by(CHUNKS.c.digest)
 )
+# the same, but for the chunks outside some packs (those a commit just wrote)
+_CHUNKS_OUTSIDE = (
+    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
+    .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
+    .where(CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"), CHUNKS.c.pack_id.not_in(bindparam("packs", expanding=True)))
+)
+_PACK_KEYS = select(PACKS.c.id, PACKS.c.key).where(PACKS.c.id.in_(bindparam("packs", expanding=True)))
+#: the most written packs whose chunk locations are taken as given (else all are read back)
+_GIVEN_PACKS = 1000
 _IDENT = (
     select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.created_at)
     .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
@@ -84,18 +96,38 @@ _IDENT = (
 )
 
 
-def read_facts(conn: Connection, ckpt_id: int) -> RecordFacts:
-    """:meth:`RecordsMixin.record_facts` inside a transaction of the caller's."""
+def read_facts(
+    conn: Connection, ckpt_id: int, written: Sequence[tuple[int, int, Sequence[ChunkRow]]] = ()
+) -> RecordFacts:
+    """:meth:`RecordsMixin.record_facts` inside a transaction of the caller's.
+
+    ``written``: packs ``(pack_id, size, chunks)`` whose every chunk row this transaction
+    inserted, as given: their chunks' locations are taken from there, and only the checkpoint's
+    other chunks (those stored already) are read back (an Adam state's 4,800 chunks, all new:
+    15.0 ms to read back and sort, against 2.2 ms)."""
     row = execute(conn, _FACTS, {"ckpt": ckpt_id}).one()
     parent = _ident(conn, row.parent_checkpoint_id)
-    chunks = execute(conn, _CHUNKS_OF, {"ckpt": ckpt_id}).all()
     return RecordFacts(
         row.run_name, int(row.step), row.kind, aware(row.created_at), aware(row.run_created),
-        row.world_layout, parent,
-        # rows as the driver gave them (bytes, str and ints on both dialects), one per chunk, not
-        # copied (100,000 chunks: 9 MiB)
-        tuple(chunks),
+        row.world_layout, parent, _locations(conn, ckpt_id, written),
     )  # fmt: skip
+
+
+def _locations(
+    conn: Connection, ckpt_id: int, written: Sequence[tuple[int, int, Sequence[ChunkRow]]]
+) -> tuple[tuple[bytes, str, int, int, int, int], ...]:
+    """Every chunk location of a checkpoint, by digest: rows as the driver gave them (bytes, str
+    and ints on both dialects), one per chunk, not copied (100,000 chunks: 9 MiB)."""
+    ids = [pack_id for pack_id, _, chunks in written if chunks]
+    if not ids or len(ids) > _GIVEN_PACKS:
+        return tuple(execute(conn, _CHUNKS_OF, {"ckpt": ckpt_id}).all())
+    keys = dict(execute(conn, _PACK_KEYS, {"packs": ids}).all())
+    out: list[Any] = [
+        (c.digest, keys[pack_id], c.offset, c.length, c.raw_size, c.codec) for pack_id, _, chunks in written for c in chunks
+    ]
+    out += execute(conn, _CHUNKS_OUTSIDE, {"ckpt": ckpt_id, "packs": ids}).all()
+    out.sort(key=itemgetter(0))  # by digest, as _CHUNKS_OF orders them (bytes compare as the databases do)
+    return tuple(out)
 
 
 class RecordsMixin(QueriesMixin):
