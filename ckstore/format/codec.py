@@ -215,16 +215,17 @@ def encode_many(raws: Sequence[memoryview], itemsize: int, level: int = 1, threa
     ]  # fmt: skip
     if threads > 1 and len(batch) >= _MANY and _MULTI:
         chunk_planes = _planes_of_many([raws[i] for i in batch], itemsize)
-        segments: list[bytes | bytearray | memoryview] = [p.data for planes in chunk_planes for p in planes]
+        segments: list[memoryview] = [p.data for planes in chunk_planes for p in planes]
         try:
-            packed = _plane_compressor(level).multi_compress_to_buffer(segments, threads=threads)
+            packed = _plane_compressor(level).multi_compress_to_buffer(cast(Any, segments), threads=threads)
         except NotImplementedError:  # a backend of python-zstandard without it
             packed = None
         if packed is not None:
             for k, i in enumerate(batch):
                 # segments of zstd's output buffer, which they keep alive
                 compressed = [memoryview(cast(Any, packed[k * itemsize + j])) for j in range(itemsize)]
-                frames[i] = _small_planes_frame(raws[i], itemsize, chunk_planes[k], compressed)
+                planes = segments[k * itemsize : (k + 1) * itemsize]
+                frames[i] = _small_planes_frame(raws[i], itemsize, planes, compressed)
     return [f if f is not None else encode(raws[i], itemsize, level) for i, f in enumerate(frames)]
 
 
@@ -248,34 +249,42 @@ def _small_planes(raw: memoryview, a: np.ndarray, itemsize: int, pc: zstandard.Z
     """:func:`encode` of a chunk whose planes are no longer than a sample: each plane is
     compressed once and kept compressed if it shrank as a sample must (the same frame as
     sampling first, for half the work)."""
-    planes = split_planes(a, itemsize)
-    return _small_planes_frame(raw, itemsize, planes, [memoryview(pc.compress(p.data)) for p in planes])
+    planes = [p.data for p in split_planes(a, itemsize)]
+    return _small_planes_frame(raw, itemsize, planes, [memoryview(pc.compress(p)) for p in planes])
 
 
 def _small_planes_frame(
-    raw: memoryview, itemsize: int, planes: Sequence[np.ndarray], compressed: Sequence[memoryview]
+    raw: memoryview, itemsize: int, planes: Sequence[memoryview], compressed: Sequence[memoryview]
 ) -> Frame:
     """The frame of a chunk whose planes were each compressed once: a plane is kept compressed if
     it shrank as a sample must (one rule for :func:`encode` and :func:`encode_many`)."""
     mask = 0
     parts: list[bytes | memoryview] = []
+    sizes: list[int] = []
     for j, (plane, comp) in enumerate(zip(planes, compressed)):
-        if comp.nbytes < _SHRINK_ENOUGH * plane.nbytes:
+        size = comp.nbytes
+        if size < _SHRINK_ENOUGH * plane.nbytes:
             mask |= 1 << j
             parts.append(comp)
         else:
-            parts.append(plane.data)
-    return _planes_frame(raw, itemsize, mask, parts)
+            size = plane.nbytes
+            parts.append(plane)
+        sizes.append(size)
+    return _planes_frame(raw, itemsize, mask, parts, sizes)
 
 
-def _planes_frame(raw: memoryview, itemsize: int, mask: int, planes: list[bytes | memoryview]) -> Frame:
+def _planes_frame(
+    raw: memoryview, itemsize: int, mask: int, planes: list[bytes | memoryview], sizes: list[int] | None = None
+) -> Frame:
+    """``sizes``: each plane's length, when the caller knows them (an Adam state's 1,200 chunks of
+    16 KiB are framed a few µs faster each, without a memoryview of every plane to ask)."""
     n = raw.nbytes
     if not mask:
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
-    lengths = struct.pack(f"<{itemsize}I", *(memoryview(p).nbytes for p in planes))
-    total = HEADER_SIZE + len(lengths) + sum(memoryview(p).nbytes for p in planes)
+    if sizes is None:
+        sizes = [memoryview(p).nbytes for p in planes]
     header = _HEADER.pack(CODEC_PLANES, itemsize, mask, n)
-    return Frame(CODEC_PLANES, (header, lengths, *planes), total)
+    return Frame(CODEC_PLANES, (header, _LENGTHS[itemsize].pack(*sizes), *planes), HEADER_SIZE + 4 * itemsize + sum(sizes))
 
 
 def raw_length(frame: memoryview | bytes) -> int:
@@ -296,6 +305,8 @@ def max_frame_length(raw_len: int) -> int:
 
 
 _MAX_ITEMSIZE = 16  # plane_mask has 16 bits
+#: each element size's table of plane lengths (little-endian u32s)
+_LENGTHS = [struct.Struct(f"<{k}I") for k in range(_MAX_ITEMSIZE + 1)]
 
 
 def _unzstd(src: memoryview, dest: memoryview, what: str) -> None:
