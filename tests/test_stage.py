@@ -177,3 +177,31 @@ def test_small_tensors_bytes_are_copied_large_ones_viewed(dtype: torch.dtype) ->
         else:
             assert not data.readonly and np.frombuffer(data, np.uint8).ctypes.data == t.data_ptr()  # a view
     assert raw_bytes(torch.zeros(0))[1].nbytes == 0
+
+
+def test_tiny_tensor_bytes_are_the_tensors_whatever_its_dtype_offset_or_flags() -> None:
+    """A tiny tensor's bytes are copied from its memory: the bytes of the tensor itself, for
+    dtypes numpy cannot view (bf16, fp8), a slice that starts inside its storage, a tensor that
+    requires grad, and a conjugated or negated view (resolved first, not copied as stored)."""
+    from ckstore.format.tensorio import COPY_BELOW, raw_bytes
+
+    def expected(t: torch.Tensor) -> bytes:
+        u = t.detach().resolve_conj().resolve_neg().contiguous()
+        return u.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    base = torch.arange(40, dtype=torch.float32)
+    cases = [
+        torch.randn(8).to(torch.bfloat16),
+        torch.randn(8).to(torch.float8_e4m3fn),
+        base[7:19],  # starts 28 bytes into its storage
+        base[3],  # 0-d, inside its storage
+        torch.randn(5, requires_grad=True),
+        torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        torch.tensor([1.0, 2.0])._neg_view(),
+        base[::2],  # not contiguous
+    ]
+    for t in cases:
+        kept, data = raw_bytes(t)
+        assert t.nbytes < COPY_BELOW
+        assert bytes(data) == expected(t), t
+        assert not kept.requires_grad and expected(kept) == expected(t)  # the tensor kept holds those bytes
