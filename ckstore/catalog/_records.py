@@ -80,12 +80,8 @@ _CHUNKS_OF = (
     .where(CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"))
     .order_by(CHUNKS.c.digest)
 )
-# the same, but for the chunks outside some packs (those a commit just wrote)
-_CHUNKS_OUTSIDE = (
-    select(CHUNKS.c.digest, PACKS.c.key, CHUNKS.c.offset, CHUNKS.c.length, CHUNKS.c.raw_size, CHUNKS.c.codec)
-    .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id).join(PACKS, PACKS.c.id == CHUNKS.c.pack_id))
-    .where(CHUNK_REFS.c.checkpoint_id == bindparam("ckpt"), CHUNKS.c.pack_id.not_in(bindparam("packs", expanding=True)))
-)
+# the same for the chunks outside some packs (those a commit just wrote), unordered
+_CHUNKS_OUTSIDE = _CHUNKS_OF.order_by(None).where(CHUNKS.c.pack_id.not_in(bindparam("packs", expanding=True)))
 _PACK_KEYS = select(PACKS.c.id, PACKS.c.key).where(PACKS.c.id.in_(bindparam("packs", expanding=True)))
 #: the most written packs whose chunk locations are taken as given (else all are read back)
 _GIVEN_PACKS = 1000
