@@ -11,6 +11,9 @@ target) live only until their box copies are done.
 from __future__ import annotations
 
 import ctypes
+import errno
+import mmap
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -239,6 +242,58 @@ def _target_view(t: torch.Tensor) -> Any:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+#: Target ranges at least this long are faulted in with one call before a chunk is decoded into
+#: them (see :func:`_prefault`)
+PREFAULT_MIN = 256 * 1024
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>: Linux 5.14 and later
+_UNLOADED: Any = object()
+_libc: Any = _UNLOADED
+
+
+def _prefault(view: memoryview) -> bool:
+    """Fault in the pages under ``view`` (a chunk's place in a target tensor) with one
+    ``madvise(MADV_POPULATE_WRITE)``, when its memory is fresh; True when it did.
+
+    A fresh tensor's pages are otherwise faulted in one 4 KiB page at a time as the chunk is
+    decoded into it; on this project's machines a fault costs ~4 µs (13 MiB of fresh memory
+    touched in 13.4 ms), and one call for the whole range does the same work for less: a
+    process's first checkout (a resume) of 1 GiB from the page cache took 0.85 s against
+    1.16 s (docs/benchmarks.md, "Fresh pages faulted in at once"). Memory the allocator recycled,
+    as in a job that checks out again and again, has its pages in already: ``mincore`` on the
+    range's first page tells, and such a range is left alone (populating it again would walk its
+    page tables for nothing). Elsewhere than Linux, or on a kernel without the call, it does
+    nothing.
+    """
+    global _libc
+    if _libc is _UNLOADED:
+        _libc = None
+        if sys.platform.startswith("linux"):
+            try:
+                lib = ctypes.CDLL(None, use_errno=True)
+                lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+                _libc = lib
+            except (OSError, AttributeError):  # no such symbols in this libc
+                pass
+    lib = _libc
+    if lib is None or view.readonly:
+        return False
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    page = mmap.PAGESIZE
+    start = (addr + page - 1) & -page
+    end = (addr + view.nbytes) & -page
+    if end - start < PREFAULT_MIN:
+        return False
+    resident = ctypes.c_ubyte(0)
+    if lib.mincore(start, page, ctypes.byref(resident)) != 0 or resident.value & 1:
+        return False
+    if lib.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14: the decode faults pages in
+        _libc = None
+    return False
+
+
 def _copies(got: ChunkCopy | list[ChunkCopy]) -> Sequence[ChunkCopy]:
     return got if isinstance(got, list) else (got,)
 
@@ -299,6 +354,8 @@ def _deliver(
     if whole is not None:  # decoded in place (views: memoryviews, or numpy arrays of staging buffers)
         target = views[whole.buffer][whole.dst_offset : whole.dst_offset + raw_size]
         decoded = target if isinstance(target, memoryview) else target.data
+        if raw_size >= PREFAULT_MIN:
+            _prefault(decoded)
     else:
         decoded = np.empty(raw_size, dtype=np.uint8).data
     try:
