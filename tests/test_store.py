@@ -243,6 +243,36 @@ def test_a_checkout_reads_each_range_to_an_address_that_matches_its_file_offset_
     assert [(key, start) for key, start, _, addr in reads if (addr - start) % 4096] == []
 
 
+
+def test_a_checkout_with_no_more_reads_than_threads_runs_one_on_the_calling_thread(store_path: Path) -> None:
+    # a small checkout's read runs on the caller instead of waiting for a thread to wake for it;
+    # with more reads than threads every read goes to the threads (the caller's Python would
+    # compete with theirs for the GIL)
+    import threading
+
+    s = ckstore.open(store_path, run="r", chunk_size=64 * 1024, pack_size=256 * 1024, workers=2)
+    g = torch.Generator().manual_seed(0)
+    small = {"w": torch.randn(1000, generator=g)}
+    large = {f"w{i}": torch.randn(40_000, generator=g) for i in range(8)}  # 1.25 MiB in 5 packs
+    s.commit(1, {0: {"m": small}})
+    s.commit(2, {0: {"m": large}})
+    threads: list[int] = []
+    read_into = s.blobs._read_into
+
+    def recorded(key: str, start: int, out: memoryview) -> None:
+        threads.append(threading.get_ident())
+        read_into(key, start, out)
+
+    s.blobs._read_into = recorded  # type: ignore[method-assign]
+    assert torch.equal(s.checkout(1)[0]["m"]["w"], small["w"])
+    assert threads == [threading.get_ident()]
+    threads.clear()
+    out = s.checkout(2)[0]["m"]
+    assert all(torch.equal(out[k], v) for k, v in large.items())
+    assert len(threads) > 2  # more reads than the two threads
+    assert threading.get_ident() not in threads
+
+
 def _pack_files(path: Path) -> list[Path]:
     return sorted(p for p in (path / "packs").rglob("*") if p.is_file())
 
