@@ -115,43 +115,44 @@ def test_large_chunks_encode_during_the_claim_guessed_from_the_last_commit(
         return real(raw, itemsize, level)
 
     monkeypatch.setattr(_stage, "_whole", counting)
-    guessed: list[int] = []
+    guessed: list[Any] = []  # the futures of every guess
     real_ahead = _stage.encode_ahead
 
     def guessing(*args: Any) -> Any:
         got = real_ahead(*args)
-        guessed.append(len(got))
+        guessed.extend(got.values())
         return got
 
     monkeypatch.setattr(_stage, "encode_ahead", guessing)
     s = ckstore.open(store_path, run="r", chunk_size=256 * 1024, workers=2)
     ws = [torch.randn(256, 256) for _ in range(4)]  # 256 KiB each: one large chunk apiece
 
-    def commit(step: int, tensors: list[torch.Tensor]) -> tuple[int, int]:
-        """(chunks guessed, chunks encoded on the pool). A guess the claim finds stored is
-        dropped once the commit's writes end: encoded if a thread took it by then, else never."""
+    def commit(step: int, tensors: list[torch.Tensor]) -> tuple[int, int, int]:
+        """(chunks guessed, chunks encoded on the pool, guesses dropped unencoded). A guess the
+        claim finds stored is dropped once the commit's writes end: encoded if a thread took it
+        by then, else never."""
         encoded.clear()
         guessed.clear()
         s.commit(step, {0: {"m": {f"w{i}": w for i, w in enumerate(tensors)}}})
         out = s.checkout(step)[0]["m"]
         assert all(torch.equal(out[f"w{i}"], w) for i, w in enumerate(tensors))
-        return sum(guessed), len(encoded)
+        return len(guessed), len(encoded), sum(f.cancelled() for f in guessed)
 
     def frames() -> int:
         return sum(len(read_pack_index(s.blobs, key, size)) for key, (size, _) in list_packs(s.blobs).items())
 
-    assert commit(0, ws) == (2, 4) and frames() == 4  # w0 and w1 encoded ahead, and written as they were
+    assert commit(0, ws) == (2, 4, 0) and frames() == 4  # w0 and w1 encoded ahead, and written as they were
     ws[2:] = [w + 1 for w in ws[2:]]
-    guesses, n = commit(1, ws)  # w0 and w1 again (the last commit wrote them first), then w2 and w3
-    assert guesses == 2 and 2 <= n <= 4
+    guesses, n, dropped = commit(1, ws)  # w0 and w1 again (the last commit wrote them first), then w2 and w3
+    assert guesses == 2 and n + dropped == 4  # each of w0 and w1 encoded or dropped; w2 and w3 encoded once
     assert frames() == 6  # w0 and w1 stored already: never written
     ws[2:] = [w + 1 for w in ws[2:]]
-    assert commit(2, ws) == (2, 2) and frames() == 8  # w2 and w3, encoded ahead, guessed right
-    guesses, n = commit(3, ws)  # nothing changed: w2 and w3 guessed, for nothing
-    assert guesses == 2 and n <= 2 and frames() == 8
-    assert commit(4, ws) == (0, 0) and frames() == 8  # the last commit wrote nothing: nothing guessed
+    assert commit(2, ws) == (2, 2, 0) and frames() == 8  # w2 and w3, encoded ahead, guessed right
+    guesses, n, dropped = commit(3, ws)  # nothing changed: w2 and w3 guessed, for nothing
+    assert guesses == 2 and n + dropped == 2 and frames() == 8
+    assert commit(4, ws) == (0, 0, 0) and frames() == 8  # the last commit wrote nothing: nothing guessed
     ws[3] = ws[3] + 1
-    assert commit(5, ws) == (0, 0) and frames() == 9  # nothing guessed; the lone changed chunk encoded inline
+    assert commit(5, ws) == (0, 0, 0) and frames() == 9  # nothing guessed; the lone changed chunk encoded inline
     s.close()
 
 

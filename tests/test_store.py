@@ -243,7 +243,6 @@ def test_a_checkout_reads_each_range_to_an_address_that_matches_its_file_offset_
     assert [(key, start) for key, start, _, addr in reads if (addr - start) % 4096] == []
 
 
-
 def test_a_checkout_with_no_more_reads_than_threads_runs_one_on_the_calling_thread(store_path: Path) -> None:
     # a small checkout's read runs on the caller instead of waiting for a thread to wake for it;
     # with more reads than threads every read goes to the threads (the caller's Python would

@@ -215,7 +215,7 @@ def execute_plan(
 
             # when every read has a thread of its own, the caller runs the first one itself
             # instead of waiting for a thread to wake for it (from the page cache, a checkout of
-            # 16 bytes, one read: 0.45 against 0.59 ms; of 4 MiB, three reads: 2.44–2.51 against
+            # 16 bytes, one read: 0.45 against 0.59 ms; of 4 MiB, 3–4 reads: 2.44–2.51 against
             # 2.63 ms); with more reads than threads it only waits, as its Python would compete
             # for the GIL with the workers' (a checkout of an Adam state's 7,200 chunks took 9%
             # longer with the caller taking reads beside its threads)
