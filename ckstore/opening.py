@@ -71,6 +71,11 @@ def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
     so), through chains of at most that many deltas; ``delta_memory`` bounds the bytes of the
     previous commit kept in memory for it (1 GiB by default). Any ckstore reads deltas.
 
+    ``workers``: the threads this store object hashes, encodes and reads on. By default twice
+    the cores the process may run on (4 to 16), or, where a launcher says that several ranks
+    share the machine's cores (``LOCAL_WORLD_SIZE``, ``LOCAL_SIZE``, ...), twice each one's share,
+    at least 2 (docs/distributed.md, "Threads per rank").
+
     ``recycle_bytes`` (local folders) bounds the bytes of pack files this store object's gc
     releases that are kept in the store's ``tmp/`` for later commits to write over instead of
     deleted (256 MiB by default; 0: delete them, and let gc delete those already kept). Writing
