@@ -1,6 +1,7 @@
 """Collective commit and checkout vs torch.distributed.checkpoint (DCP), by world size.
 
     python benchmarks/bench_distributed.py [--sharded-mib 96] [--replicated-mib 24] [--repeat 3] [--dir DIR]
+                                           [--workers N]
 
 Runs real gloo jobs of 4, 2 and 1 ranks on this machine, one after another, all writing to the
 same stores. Each job, on the same state dict and in the same run:
@@ -13,8 +14,8 @@ same stores. Each job, on the same state dict and in the same run:
   writing its own copy (``writers="all"``, idempotent writes), and DCP (which dedups replicas).
 
 Each rank's environment is what torchrun would give it (``OMP_NUM_THREADS=1``,
-``LOCAL_WORLD_SIZE``), and its stores use ckstore's default threads: twice its share of the
-cores. Every job runs everything ``--repeat`` times on fresh random data (nothing dedups against an
+``LOCAL_WORLD_SIZE``), and its stores use ckstore's default threads, twice its share of the
+cores, unless ``--workers`` says how many. Every job runs everything ``--repeat`` times on fresh random data (nothing dedups against an
 earlier commit) and reports the best time: wall clock on rank 0 between barriers. Both systems
 fsync what they write; loads read from the page cache. Last, without any job, the sharded state
 is saved as 1, 2 and 4 ranks from one process and each checked out into one rank: what a
@@ -72,8 +73,9 @@ def worker(args: argparse.Namespace) -> None:
     shape = (2048, TENSOR_MIB * 1024 * 1024 // 4 // 2048)
     local_shape = (shape[0] // world, shape[1])
     # the default threads: with LOCAL_WORLD_SIZE set, as torchrun sets it, each rank's share of the cores
-    assigned = ckstore.open(base / "ckstore", run="bench", create=False)
-    every = ckstore.open(base / "ckstore-all", run="bench", create=False)
+    threads = args.workers or None
+    assigned = ckstore.open(base / "ckstore", run="bench", create=False, workers=threads)
+    every = ckstore.open(base / "ckstore-all", run="bench", create=False, workers=threads)
     collective = active_group() is not None
     out: dict[str, Any] = {"world": world}
 
@@ -173,7 +175,8 @@ def launch(args: argparse.Namespace, world: int, reshard_from: list[int]) -> dic
     port = free_port()
     cmd = [sys.executable, __file__, "--worker", "--dir", args.dir, "--port", str(port), "--world", str(world),
            "--sharded-mib", str(args.sharded_mib), "--replicated-mib", str(args.replicated_mib),
-           "--repeat", str(args.repeat), "--out", str(out), "--reshard-from", *map(str, reshard_from)]  # fmt: skip
+           "--repeat", str(args.repeat), "--workers", str(args.workers), "--out", str(out),
+           "--reshard-from", *map(str, reshard_from)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}  # as torchrun sets them
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in range(world)]
     for p in procs:
@@ -278,6 +281,11 @@ def main() -> None:
         "--repeat", type=int, default=3, help="runs of everything, on fresh data; the best is shown"
     )
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary folder)")
+    p.add_argument(
+        "--workers", type=int, default=0,
+        help="threads of each rank's stores (default 0: ckstore's default, its share of the cores); "
+        "--workers 4 is what every rank took on 2 cores before the default counted ranks",
+    )  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -295,7 +303,8 @@ def main() -> None:
     try:
         for name in ("ckstore", "ckstore-all"):
             ckstore.open(Path(args.dir) / name, run="bench", chunk_size=1024 * 1024).close()
-        print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, stores in {args.dir}")
+        threads = f"{args.workers} threads a rank" if args.workers else "ckstore's default threads"
+        print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, {threads}, stores in {args.dir}")
         results = []
         for world, sources in JOBS:
             t0 = time.perf_counter()
