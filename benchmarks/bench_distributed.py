@@ -16,7 +16,7 @@ same stores. Each job, on the same state dict and in the same run:
 Each rank's environment is what torchrun would give it (``OMP_NUM_THREADS=1``,
 ``LOCAL_WORLD_SIZE``), and its stores use ckstore's default threads, twice its share of the
 cores, unless ``--workers`` says how many. Every job runs everything ``--repeat`` times on fresh random data (nothing dedups against an
-earlier commit) and reports the best time: wall clock on rank 0 between barriers. Both systems
+earlier commit) and reports the best time (and, beside it, the median and range of the repeats): wall clock on rank 0 between barriers. Both systems
 fsync what they write; loads read from the page cache. Last, without any job, the sharded state
 is saved as 1, 2 and 4 ranks from one process and each checked out into one rank: what a
 reshard costs ckstore itself, apart from the jobs' scheduling.
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -198,11 +199,11 @@ def report(results: list[dict[str, Any]]) -> None:
 
     print(
         "\nsharded state (DTensor Shard(0) over dp), best times of the repeats; ratio = ckstore / DCP (lower is "
-        "better for ckstore); every repeat: the fastest and the slowest"
+        "better for ckstore); every repeat: the median (the fastest - the slowest)"
     )
     def spread(r: dict[str, Any], name: str) -> str:
         every = r.get(f"every_{name}", [r[name]])
-        return f"{min(every):.2f}-{max(every):.2f}s"
+        return f"{statistics.median(every):.2f}s ({min(every):.2f}-{max(every):.2f})"
 
     head = ["operation", "world", "ckstore", "DCP", "ratio", "ckstore, every repeat", "DCP, every repeat"]
     rows = []

@@ -62,9 +62,9 @@ def _workers_for(cores: int, machine_cores: int, environ: Mapping[str, str]) -> 
     When a launcher says that several processes of the job run on this machine
     (:data:`_LOCAL_PROCESSES_ENV`) and they share these cores (together they would have more of
     them than the machine has; not each pinned to its own), each takes twice its share, at
-    least 2: with four threads each, two ranks on two cores took 1.6x as long for the median
-    commit of 96 MiB as with two (about as long for the fastest), and checked out from the page cache 3-10% faster (docs/benchmarks.md, "Threads
-    per rank")."""
+    least 2: with four threads each, two ranks on two cores committing 96 MiB back to back took
+    1.6x as long for the median commit as with two, and checked out from the page cache 3-10%
+    faster (docs/benchmarks.md, "Threads per rank")."""
     local = 1
     for name in _LOCAL_PROCESSES_ENV:
         value = environ.get(name, "").strip()
