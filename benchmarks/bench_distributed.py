@@ -15,8 +15,9 @@ same stores. Each job, on the same state dict and in the same run:
 
 Each rank's environment is what torchrun would give it (``OMP_NUM_THREADS=1``,
 ``LOCAL_WORLD_SIZE``), and its stores use ckstore's default threads, twice its share of the
-cores, unless ``--workers`` says how many. Every job runs everything ``--repeat`` times on fresh random data (nothing dedups against an
-earlier commit) and reports the best time (and, beside it, the median and range of the repeats): wall clock on rank 0 between barriers. Both systems
+cores, unless ``--workers`` says how many. Every job runs everything ``--repeat`` times on fresh
+random data (nothing dedups against an earlier commit) and reports the best time, and beside it
+the median and range of the repeats: wall clock on rank 0 between barriers. Both systems
 fsync what they write; loads read from the page cache. Last, without any job, the sharded state
 is saved as 1, 2 and 4 ranks from one process and each checked out into one rank: what a
 reshard costs ckstore itself, apart from the jobs' scheduling.

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ._collector import collector_paused
+from ._threads import default_workers
 from .blobstore import BlobStore
 from .catalog import Catalog, CheckoutRows, ChunkLocation
 from .config import StoreConfig
@@ -42,38 +42,6 @@ if TYPE_CHECKING:  # retention and garbage collection
     from .maintenance.gc import GcReport
     from .maintenance.recover import RecoverReport
     from .maintenance.retention import Policy
-
-
-#: where launchers say how many processes of the job run on this machine: torchrun, DeepSpeed's
-#: launcher, Open MPI, MPICH and Intel MPI (the first that holds a positive integer counts)
-_LOCAL_PROCESSES_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-
-
-def _default_workers() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return _workers_for(cores, os.cpu_count() or cores, os.environ)
-
-
-def _workers_for(cores: int, machine_cores: int, environ: Mapping[str, str]) -> int:
-    """The threads a store object uses for hashing, zstd and reads when it is not told: all
-    release the GIL, and reads wait on the disk or network, so twice the cores keep both busy
-    (4 to 16). ``cores``: the CPUs this process may run on; ``machine_cores``: the machine's.
-
-    When a launcher says that several processes of the job run on this machine
-    (:data:`_LOCAL_PROCESSES_ENV`) and they share these cores (together they would have more of
-    them than the machine has; not each pinned to its own), each takes twice its share, at
-    least 2: with four threads each, two ranks on two cores committing 96 MiB back to back took
-    1.6x as long for the median commit as with two, and checked out from the page cache 3-10%
-    faster (docs/benchmarks.md, "Threads per rank")."""
-    local = 1
-    for name in _LOCAL_PROCESSES_ENV:
-        value = environ.get(name, "").strip()
-        if value.isascii() and value.isdigit() and int(value) > 0:
-            local = int(value)
-            break
-    if local > 1 and cores * local > machine_cores:
-        return max(2, min(16, 2 * cores // local))
-    return max(4, min(16, 2 * cores))
 
 
 def _scope(
@@ -153,7 +121,7 @@ class Store:
         self.catalog = catalog
         self.config = config
         self.run = check_name("run", run) if run is not None else None
-        self.workers = workers or _default_workers()
+        self.workers = workers or default_workers()
         self.max_inflight = max_inflight
         self._async: AsyncCommits | None = None
         self._gcs: BackgroundGc | None = None

@@ -27,7 +27,7 @@ def test_postgres_connections_have_the_documented_connect_timeout() -> None:
 
 
 def test_the_default_threads_are_twice_the_cores_or_twice_a_rank_share_of_shared_cores() -> None:
-    from ckstore.store import _workers_for
+    from ckstore._threads import _workers_for
 
     # one process: twice the cores it may run on, 4 to 16
     assert [_workers_for(c, c, {}) for c in (1, 2, 4, 8, 64)] == [4, 4, 8, 16, 16]
@@ -53,10 +53,12 @@ def test_a_store_opened_under_a_launcher_of_several_local_ranks_takes_its_share_
     import subprocess
     import sys
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from ckstore._threads import _LOCAL_PROCESSES_ENV, usable_cores
+
+    cores = usable_cores()
     machine = os.cpu_count() or cores
     code = "import ckstore, sys; s = ckstore.open(sys.argv[1]); print(s.workers); s.close()"
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")}
+    env = {k: v for k, v in os.environ.items() if k not in _LOCAL_PROCESSES_ENV}
     ranks = machine + 1  # more ranks than the machine has cores: they share them, whatever the affinity
     got = {}
     for local in (None, ranks):

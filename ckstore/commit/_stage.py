@@ -4,7 +4,6 @@ packs → manifests. No catalog access: the protocol around it (begin, claim, re
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, wait
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._collector import collector_paused
-from .._threads import TaskGroup
+from .._threads import TaskGroup, usable_cores
 from ..checkout.reshard import PieceInfo, resolve_shards
 from ..errors import CkstoreError, UnsupportedValueError
 from ..format import codec, hashing
@@ -209,7 +208,7 @@ INLINE_HASH = 16 << 20
 #: this many chunks (the batch's planes are copied once: a bounded copy, not the checkpoint's)
 BATCH_BYTES = 4 << 20
 BATCH_CHUNKS = 2048
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_CPUS = usable_cores()
 
 def hash_staged(
     entries: Sequence[PreparedEntry],
