@@ -143,6 +143,8 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, rnd: int) -> dict[
         opts: dict[str, Any] = {"delta_chain": args.delta_chain} if mode == "async-delta" else {}
         if mode == "async-fresh":
             opts["recycle_bytes"] = 0
+        if args.workers:
+            opts["workers"] = args.workers
         store = ckstore.open(path, run=RUN, **opts)
         store.set_policy(RUN, LatestN(args.keep_last) | BestN(args.keep_best, "loss"))
         if gc_in == "thread":
@@ -345,6 +347,9 @@ def main() -> None:
         "--delta-chain", type=int, default=4, help="async-delta's delta_chain (deltas per chain)"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: as the demo)")
+    ap.add_argument(
+        "--workers", type=int, default=0, help="the stores' threads (ckstore.open(workers=...); default: its own)"
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
     ap.add_argument(
         "--dir", default=None, help="where the stores go (default: a folder in the cwd)"

@@ -127,6 +127,7 @@ class Store:
         self._gcs: BackgroundGc | None = None
         self._delta: Any = None  # a DeltaCache once write_deltas turned deltas on
         self._ahead: Any = None  # the commit._stage.AheadHint of this object's commits, from the first
+        self._planes: Any = None  # and their commit._stage.PlaneHints
 
     def write_deltas(self, chain: int, memory: int | None = None) -> None:
         """Write each changed chunk of later commits as a delta against the same chunk of the
@@ -287,8 +288,11 @@ class Store:
 
         if self._ahead is None:
             self._ahead = _stage.AheadHint()
+            self._planes = _stage.PlaneHints()
         return protocol.start(
-            protocol.CommitContext(self.blobs, self.catalog, self.config, self.workers, self.run, self._delta, self._ahead),
+            protocol.CommitContext(
+                self.blobs, self.catalog, self.config, self.workers, self.run, self._delta, self._ahead, self._planes
+            ),
             step, rank_states, metrics, tags=tags, kind=kind, run=run, replace=replace,
             world_layout=world_layout, allow_pickle=allow_pickle, parent=partial(commit_parent, self, parent),
             progress=progress, process_group=process_group, staging=staging, changed_only=changed_only,

@@ -147,3 +147,46 @@ def test_encode_many_writes_the_frames_encode_writes(itemsize: int) -> None:
         assert bytes(out) == bytes(r)
     # one thread: the chunks are encoded one by one, the same frames
     assert [_frame_bytes(f) for f in codec.encode_many(raws, itemsize, threads=1)] == want
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_tries_compress_just_the_planes_named(itemsize: int) -> None:
+    """Told which planes to try, encode compresses those whole and keeps each that shrinks,
+    stores the others raw without a sample, and says which it kept (:func:`codec.plane_mask`):
+    given what a sampled encode kept, it makes the same frame. Every frame decodes."""
+    rng = np.random.default_rng(itemsize)
+    dt = {2: np.float16, 4: np.float32, 8: np.float64}[itemsize]
+    for n in (4096, 16384, 256 * 1024):
+        raw = memoryview((rng.standard_normal(n // itemsize) * 1e-3).astype(dt)).cast("B")
+        sampled = codec.encode(raw, itemsize)
+        mask = codec.plane_mask(sampled)
+        assert mask and mask != (1 << itemsize) - 1  # the high plane(s) shrink, the low ones do not
+        assert _frame_bytes(codec.encode(raw, itemsize, tries=mask)) == _frame_bytes(sampled)
+        everything = codec.encode(raw, itemsize, tries=(1 << itemsize) - 1)  # the low planes tried in vain
+        assert codec.plane_mask(everything) == mask and everything.length == sampled.length
+        none = codec.encode(raw, itemsize, tries=0)  # stored raw, straight from the chunk's memory
+        assert none.codec == codec.CODEC_RAW and none.parts[1] is raw and codec.plane_mask(none) == 0
+        low = codec.encode(raw, itemsize, tries=1)  # a low plane alone: it does not shrink, so raw
+        assert codec.plane_mask(low) == 0
+        for f in (sampled, everything, none, low):
+            out = bytearray(raw.nbytes)
+            codec.decode_into(_frame_bytes(f)[2], memoryview(out))
+            assert bytes(out) == bytes(raw)
+    assert codec.plane_mask(codec.encode(memoryview(b"x" * 100), 1)) is None  # too short for planes
+    assert codec.plane_mask(codec.encode(memoryview(b"x" * 4096), 1)) is None  # single bytes: zstd whole
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_encode_many_with_tries_writes_the_frames_encode_writes(itemsize: int) -> None:
+    """Each chunk's tries, in a batch compressed together, make the frames encode makes alone."""
+    rng = np.random.default_rng(itemsize + 10)
+    dt = {2: np.float16, 4: np.float32, 8: np.float64}[itemsize]
+    arrays = [(rng.standard_normal(4096 // itemsize) * 1e-3).astype(dt) for _ in range(20)]
+    arrays += [np.zeros(2048 // itemsize, dt), (rng.standard_normal(200_000) * 1e-3).astype(dt)]
+    raws = [memoryview(a).cast("B") for a in arrays]
+    every = (1 << itemsize) - 1
+    tries: list[int | None] = [[None, 0, 1 << (itemsize - 1), every, 1][i % 5] for i in range(len(raws))]
+    want = [_frame_bytes(codec.encode(r, itemsize, tries=t)) for r, t in zip(raws, tries)]
+    assert [_frame_bytes(f) for f in codec.encode_many(raws, itemsize, threads=2, tries=tries)] == want
+    assert [_frame_bytes(f) for f in codec.encode_many(raws, itemsize, threads=1, tries=tries)] == want
+    assert len({w[2] for w in want[:5]}) > 1  # the tries did make different frames

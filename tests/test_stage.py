@@ -110,9 +110,9 @@ def test_large_chunks_encode_during_the_claim_guessed_from_the_last_commit(
     encoded: list[int] = []
     real = _stage._whole
 
-    def counting(raw: memoryview, itemsize: int, level: int) -> Any:
+    def counting(raw: memoryview, itemsize: int, level: int, tries: int | None = None) -> Any:
         encoded.append(raw.nbytes)
-        return real(raw, itemsize, level)
+        return real(raw, itemsize, level, tries)
 
     monkeypatch.setattr(_stage, "_whole", counting)
     guessed: list[Any] = []  # the futures of every guess
@@ -221,3 +221,84 @@ def test_tiny_tensor_bytes_are_the_tensors_whatever_its_dtype_offset_or_flags() 
         assert t.nbytes < COPY_BELOW
         assert bytes(data) == expected(t), t
         assert not kept.requires_grad and expected(kept) == expected(t)  # the tensor kept holds those bytes
+
+
+class _PlaneCounter:
+    """Counts the planes (and samples) given to each thread's own plane compressor."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls, self.lock = real, 0, threading.Lock()
+
+    def __call__(self, level: int) -> Any:
+        return _CountingCompressor(self, self.real(level))
+
+
+class _CountingCompressor:
+    def __init__(self, counter: _PlaneCounter, real: Any) -> None:
+        self.counter, self.real = counter, real
+
+    def count(self, n: int) -> None:
+        with self.counter.lock:
+            self.counter.calls += n
+
+    def compress(self, data: Any) -> bytes:
+        self.count(1)
+        return self.real.compress(data)
+
+    def multi_compress_to_buffer(self, segments: Any, threads: int = 0) -> Any:
+        self.count(len(segments))
+        return self.real.multi_compress_to_buffer(segments, threads=threads)
+
+
+def test_a_commit_compresses_the_planes_that_shrank_in_the_last_one(
+    store_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store object's next commit compresses just the byte planes that shrank when it last
+    encoded the same tensor's chunk (:class:`_stage.PlaneHints`): no samples, no mantissa
+    planes tried in vain, the same frames. A plane that starts to shrink is found again within
+    :attr:`~_stage.PlaneHints.RESAMPLE` commits, and each commit samples its share of chunks."""
+    from ckstore.format import codec, hashing
+
+    counter = _PlaneCounter(codec._plane_compressor)
+    monkeypatch.setattr(codec, "_plane_compressor", counter)
+    s = ckstore.open(store_path, run="r", chunk_size=256 * 1024, workers=2)
+    torch.manual_seed(0)
+    # 12 large chunks (256 KiB, encoded one by one) and 24 small ones (16 KiB, encoded together)
+    state = {f"w{i}": torch.randn(256, 256) for i in range(12)}
+    state.update({f"b{i}": torch.randn(4096) for i in range(24)})
+
+    def commit(step: int) -> int:
+        counter.calls = 0
+        s.commit(step, {0: {"m": state}})
+        return counter.calls
+
+    first = commit(0)  # every large chunk samples its 4 planes, then compresses 1; the small ones try all 4
+    assert first == 12 * 5 + 24 * 4
+    sizes = {k: s.catalog.chunk_locations([hashing.digest(memoryview(t.numpy()).cast("B"))]) for k, t in state.items()}
+    for step in range(1, 1 + _stage.PlaneHints.RESAMPLE):
+        state = {k: t * 1.01 for k, t in state.items()}  # every chunk changed, alike
+        calls = commit(step)
+        # 36 chunks, about one in RESAMPLE sampled again (as the first commit did), the others
+        # compress their exponent plane alone
+        assert 36 < calls <= 36 + (36 // _stage.PlaneHints.RESAMPLE + 1) * 4, calls
+        got = s.checkout(step)[0]["m"]
+        assert all(torch.equal(got[k], t) for k, t in state.items())
+    after = {k: s.catalog.chunk_locations([hashing.digest(memoryview(t.numpy()).cast("B"))]) for k, t in state.items()}
+    for k in state:  # as well compressed as when every plane was sampled
+        (a,) = sizes[k].values()
+        (b,) = after[k].values()
+        assert abs(b.length - a.length) < 0.01 * a.raw_size
+
+    # w0 turns to (almost) zeros: its low planes now shrink, which the hint does not try; a
+    # later sample finds them, and the chunk shrinks to almost nothing within RESAMPLE commits
+    lengths = []
+    for step in range(100, 100 + _stage.PlaneHints.RESAMPLE + 1):
+        state["w0"] = torch.zeros(256, 256)
+        state["w0"][0, 0] = step  # a new chunk each commit
+        commit(step)
+        (loc,) = s.catalog.chunk_locations([hashing.digest(memoryview(state["w0"].numpy()).cast("B"))]).values()
+        lengths.append(loc.length)
+        assert torch.equal(s.checkout(step)[0]["m"]["w0"], state["w0"])
+    assert lengths[0] > 0.7 * 256 * 1024  # the hint from randn: the exponent plane alone compressed
+    assert lengths[-1] < 0.01 * 256 * 1024  # sampled again since: every plane compressed
+    s.close()

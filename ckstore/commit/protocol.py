@@ -112,6 +112,7 @@ class CommitContext:
     run: str | None = None  # the store's default run, for commits that name none
     delta: DeltaCache | None = None  # the store's chunks to write deltas against, when it writes deltas
     ahead: _stage.AheadHint | None = None  # which large chunks a single process encodes during its claim
+    planes: _stage.PlaneHints | None = None  # which byte planes shrank in the store object's last commit
 
 
 def start(
@@ -335,8 +336,9 @@ class StagedCommit:
                 self.bases = self.ctx.delta.candidates(self._places())
             elif g.size == 1 and self.ctx.ahead is not None:  # likely missing ones encode during the claim
                 self.ahead = _stage.encode_ahead(
-                    self.entries, self.staged, cs, self.cfg.compression_level, self.pool, self.ctx.workers, self.ctx.ahead
-                )
+                    self.entries, self.staged, cs, self.cfg.compression_level, self.pool, self.ctx.workers, self.ctx.ahead,
+                    self.ctx.planes,
+                )  # fmt: skip
             join = _join if g.size > 1 else list  # (a group of one hands its own lists over)
             return join(list(self.held)), list(self.held.values()), join(list(dict.fromkeys(self.bases.values())))
 
@@ -462,7 +464,7 @@ class StagedCommit:
             durable = _stage.write_missing(
                 self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
                 level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick, threads=self.ctx.workers,
-                delta=delta, ahead=self.ahead,
+                delta=delta, ahead=self.ahead, planes=self.ctx.planes,
             )  # fmt: skip
             self.ahead = {}
             if g.size == 1 and self.ctx.delta is None and self.ctx.ahead is not None:

@@ -49,6 +49,7 @@ __all__ = [
     "delta_itemsize",
     "apply_delta",
     "encode_many",
+    "plane_mask",
     "decode_into",
     "raw_length",
     "max_frame_length",
@@ -127,8 +128,14 @@ def _shrinks(sample: np.ndarray, c: zstandard.ZstdCompressor) -> bool:
     return len(c.compress(sample.data)) < _SHRINK_ENOUGH * sample.nbytes
 
 
-def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
-    """Encode one chunk's raw bytes; ``raw`` must stay alive until the frame is written."""
+def encode(raw: memoryview, itemsize: int, level: int = 1, tries: int | None = None) -> Frame:
+    """Encode one chunk's raw bytes; ``raw`` must stay alive until the frame is written.
+
+    ``tries`` (a plane mask): for a chunk cut into byte planes, the planes to compress, each
+    whole and kept where it shrinks as a sample must; the others are stored raw untried. A
+    commit passes what shrank when the same tensor's chunk was encoded last
+    (:class:`ckstore.commit._stage.PlaneHints`), which skips the samples and the planes that
+    would not shrink. None: each plane's sample decides."""
     n = raw.nbytes
     if n < _MIN_COMPRESS:  # a zstd frame's own overhead leaves nothing worth saving
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
@@ -146,6 +153,8 @@ def encode(raw: memoryview, itemsize: int, level: int = 1) -> Frame:
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, n), raw), HEADER_SIZE + n)
 
     pc = _plane_compressor(level)
+    if tries is not None:
+        return _tried_planes(raw, a, itemsize, pc, tries)
     if n <= _SAMPLE_BYTES * itemsize:  # each plane's sample would be the whole plane
         return _small_planes(raw, a, itemsize, pc)
     mask = 0
@@ -197,8 +206,15 @@ def delta_itemsize(frame: memoryview | bytes) -> int:
     return 1
 
 
-def encode_many(raws: Sequence[memoryview], itemsize: int, level: int = 1, threads: int = 1) -> list[Frame]:
-    """:func:`encode` of many chunks of ``itemsize``-byte elements, the same frames byte for byte.
+def encode_many(
+    raws: Sequence[memoryview],
+    itemsize: int,
+    level: int = 1,
+    threads: int = 1,
+    tries: Sequence[int | None] | None = None,
+) -> list[Frame]:
+    """:func:`encode` of many chunks of ``itemsize``-byte elements, the same frames byte for byte
+    (``tries``: each chunk's, as :func:`encode` takes it).
 
     Chunks whose planes are no longer than a sample (a real optimizer state is thousands of such
     tensors) are split into byte planes together, in one pass over their concatenation (each
@@ -213,20 +229,37 @@ def encode_many(raws: Sequence[memoryview], itemsize: int, level: int = 1, threa
         if itemsize > 1 and _MIN_COMPRESS <= r.nbytes <= _SAMPLE_BYTES * itemsize and r.nbytes % itemsize == 0
         and r.nbytes >= 2 * itemsize
     ]  # fmt: skip
+    every = (1 << itemsize) - 1
+    masks = [every if tries is None or tries[i] is None else cast(int, tries[i]) & every for i in batch]
     if threads > 1 and len(batch) >= _MANY and _MULTI:
         chunk_planes = _planes_of_many([raws[i] for i in batch], itemsize)
-        segments: list[memoryview] = [p.data for planes in chunk_planes for p in planes]
+        # the planes to compress: every plane of a chunk without tries (then kept where it
+        # shrinks: the frame :func:`encode` makes after sampling), else the planes tried
+        segments: list[memoryview] = [
+            p.data for planes, mask in zip(chunk_planes, masks) for j, p in enumerate(planes) if mask >> j & 1
+        ]
         try:
             packed = _plane_compressor(level).multi_compress_to_buffer(cast(Any, segments), threads=threads)
         except NotImplementedError:  # a backend of python-zstandard without it
             packed = None
         if packed is not None:
+            at = 0
             for k, i in enumerate(batch):
-                # segments of zstd's output buffer, which they keep alive
-                compressed = [memoryview(cast(Any, packed[k * itemsize + j])) for j in range(itemsize)]
-                planes = segments[k * itemsize : (k + 1) * itemsize]
+                planes = [p.data for p in chunk_planes[k]]
+                # segments of zstd's output buffer, which they keep alive; a plane not tried
+                # stands for its own compressed form (as long: not kept compressed)
+                compressed = []
+                for j in range(itemsize):
+                    if masks[k] >> j & 1:
+                        compressed.append(memoryview(cast(Any, packed[at])))
+                        at += 1
+                    else:
+                        compressed.append(planes[j])
                 frames[i] = _small_planes_frame(raws[i], itemsize, planes, compressed)
-    return [f if f is not None else encode(raws[i], itemsize, level) for i, f in enumerate(frames)]
+    return [
+        f if f is not None else encode(raws[i], itemsize, level, None if tries is None else tries[i])
+        for i, f in enumerate(frames)
+    ]
 
 
 _MULTI = hasattr(zstandard.ZstdCompressor, "multi_compress_to_buffer")
@@ -251,6 +284,29 @@ def _small_planes(raw: memoryview, a: np.ndarray, itemsize: int, pc: zstandard.Z
     sampling first, for half the work)."""
     planes = [p.data for p in split_planes(a, itemsize)]
     return _small_planes_frame(raw, itemsize, planes, [memoryview(pc.compress(p)) for p in planes])
+
+
+def _tried_planes(raw: memoryview, a: np.ndarray, itemsize: int, pc: zstandard.ZstdCompressor, tries: int) -> Frame:
+    """:func:`encode` of a chunk told which planes to try: those compressed whole, each kept
+    where it shrinks as a sample must, the others stored raw."""
+    tries &= (1 << itemsize) - 1
+    if not tries:  # no plane shrank last time: stored raw, straight from the tensor's memory
+        return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, raw.nbytes), raw), HEADER_SIZE + raw.nbytes)
+    planes = [p.data for p in split_planes(a, itemsize)]
+    compressed = [memoryview(pc.compress(p)) if tries >> j & 1 else p for j, p in enumerate(planes)]
+    return _small_planes_frame(raw, itemsize, planes, compressed)
+
+
+def plane_mask(frame: Frame) -> int | None:
+    """The planes a frame :func:`encode` made holds compressed, as a plane mask (0: none, the
+    chunk stored raw); None for a frame not cut into planes (single bytes, a short chunk, a
+    delta). What a later encode of the same tensor's chunk can take as its ``tries``."""
+    codec, itemsize, mask, n = _HEADER.unpack_from(frame.parts[0], 0)
+    if codec == CODEC_PLANES:
+        return int(mask)
+    if codec == CODEC_RAW and n >= _MIN_COMPRESS:
+        return 0  # raw: no plane shrank (or a chunk of single bytes that did not: the caller knows)
+    return None
 
 
 def _small_planes_frame(
