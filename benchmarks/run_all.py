@@ -40,6 +40,7 @@ BY_HAND = {
 SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "bench_core.py": ([], ["--rounds", "1", "--size-mib", "16", "--tiny-count", "2000"]),
     "bench_every_step.py": ([], ["--steps", "20", "--rounds", "1", "--gc-every", "5"]),
+    "cpu_commit.py": ([], ["--commits", "5"]),
     "profile_commit.py": ([], ["--only", "4mib,minilm-bf16,adam"]),
     "bench_memory.py": ([], ["--tiny-count", "5000"]),
     "bench_resume.py": ([], ["--only", "4mib", "--rounds", "1"]),

@@ -11,6 +11,8 @@ Codec 2 follows the header with ``itemsize`` u32 stored plane lengths, then the 
 holds byte j of every element (``raw[j::itemsize]``). Only planes whose sample shrinks are
 compressed: for float tensors that is the sign/exponent plane, while mantissa planes are
 random bytes that zstd cannot shrink, so skipping them keeps the ratio at a fraction of the CPU.
+A caller that knows which planes shrank in the same tensor's last chunk names them instead
+(``tries``), skipping the samples too.
 
 Codec 3 (a delta) follows the header with the 16-byte digest of its base, another chunk of the
 same raw length, then a whole frame of codec 0, 1 or 2 holding the XOR of the two chunks' raw
