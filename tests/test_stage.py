@@ -259,6 +259,7 @@ def test_a_commit_compresses_the_planes_that_shrank_in_the_last_one(
     :attr:`~_stage.PlaneHints.RESAMPLE` commits, and each commit samples its share of chunks."""
     from ckstore.format import codec, hashing
 
+    monkeypatch.setattr(_stage, "_CPUS", 2)  # chunks encoded ahead, as on the project's machines
     counter = _PlaneCounter(codec._plane_compressor)
     monkeypatch.setattr(codec, "_plane_compressor", counter)
     s = ckstore.open(store_path, run="r", chunk_size=256 * 1024, workers=2)
@@ -289,16 +290,22 @@ def test_a_commit_compresses_the_planes_that_shrank_in_the_last_one(
         (b,) = after[k].values()
         assert abs(b.length - a.length) < 0.01 * a.raw_size
 
-    # w0 turns to (almost) zeros: its low planes now shrink, which the hint does not try; a
-    # later sample finds them, and the chunk shrinks to almost nothing within RESAMPLE commits
-    lengths = []
+    # w0 and w1 turn to (almost) zeros: their low planes now shrink, which the hint does not
+    # try; a later sample finds them, and each chunk shrinks to almost nothing within RESAMPLE
+    # commits. Two large chunks changed: both are encoded during the claim (encode_ahead), which
+    # samples on the same schedule
+    lengths: dict[str, list[int]] = {"w0": [], "w1": []}
     for step in range(100, 100 + _stage.PlaneHints.RESAMPLE + 1):
-        state["w0"] = torch.zeros(256, 256)
-        state["w0"][0, 0] = step  # a new chunk each commit
+        for k in lengths:
+            state[k] = torch.zeros(256, 256)
+            state[k][0, 0], state[k][0, 1] = step, int(k[1:])  # a new chunk each commit, each its own
         commit(step)
-        (loc,) = s.catalog.chunk_locations([hashing.digest(memoryview(state["w0"].numpy()).cast("B"))]).values()
-        lengths.append(loc.length)
-        assert torch.equal(s.checkout(step)[0]["m"]["w0"], state["w0"])
-    assert lengths[0] > 0.7 * 256 * 1024  # the hint from randn: the exponent plane alone compressed
-    assert lengths[-1] < 0.01 * 256 * 1024  # sampled again since: every plane compressed
+        got = s.checkout(step)[0]["m"]
+        for k, seen in lengths.items():
+            (loc,) = s.catalog.chunk_locations([hashing.digest(memoryview(state[k].numpy()).cast("B"))]).values()
+            seen.append(loc.length)
+            assert torch.equal(got[k], state[k])
+    for k, seen in lengths.items():
+        assert seen[0] > 0.7 * 256 * 1024, k  # the hint from randn: the exponent plane alone compressed
+        assert seen[-1] < 0.01 * 256 * 1024, (k, seen)  # sampled again since: every plane compressed
     s.close()

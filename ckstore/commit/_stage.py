@@ -43,6 +43,7 @@ __all__ = [
     "write_missing",
     "AheadHint",
     "PlaneHints",
+    "PlaneTries",
     "encode_ahead",
     "written_places",
     "build_manifests",
@@ -313,7 +314,10 @@ class PlaneHints:
     and dropped from the hint; one that starts to shrink (a tensor zeroed, say) is noticed when
     its chunk is sampled again: each commit samples one chunk in :data:`RESAMPLE` in turn, so
     every place is sampled at least every :data:`RESAMPLE` commits that encode it. Only the last
-    commit's places are kept (at most :data:`MAX_PLACES`)."""
+    commit's places are kept (at most :data:`MAX_PLACES`).
+
+    A commit takes one :class:`PlaneTries` (:meth:`begin`) for every chunk it encodes, ahead of
+    its claim or not, and hands it back (:meth:`end`) once its chunks are written."""
 
     RESAMPLE = 8
     MAX_PLACES = 1 << 16
@@ -365,7 +369,7 @@ def encode_ahead(
     pool: Executor,
     threads: int,
     hint: AheadHint,
-    planes: PlaneHints | None = None,
+    planes: PlaneTries | None = None,
 ) -> dict[bytes, Future[tuple[codec.Frame, int | None]]]:
     """Start encoding, on the pool, the large chunks this commit will most likely write
     (``hint``: the places the last commit wrote first), before the claim has said which chunks
@@ -377,14 +381,14 @@ def encode_ahead(
     if min(threads, _CPUS) < 2:
         return {}
     wanted = None if hint.places is None else set(hint.places)
-    last = {} if planes is None else planes.last
-    picked: dict[bytes, tuple[memoryview, int, int | None]] = {}
+    picked: dict[bytes, tuple[memoryview, int, tuple[str, int, int]]] = {}
     for place, d, st, ci in _large_places(entries, staged, chunk_size):
         if d not in picked and (wanted is None or place in wanted):
             raw = st.data if st.data.nbytes <= chunk_size else st.chunk(ci, chunk_size)
-            picked[d] = (raw, st.itemsize, last.get((st.path, ci, st.itemsize)))
+            picked[d] = (raw, st.itemsize, (st.path, ci, st.itemsize))
             if len(picked) == min(threads, AHEAD):
-                return {d: pool.submit(_whole, raw, k, level, t) for d, (raw, k, t) in picked.items()}
+                tries = {d: None if planes is None else planes.tries(key) for d, (_, _, key) in picked.items()}
+                return {d: pool.submit(_whole, raw, k, level, tries[d]) for d, (raw, k, _) in picked.items()}
     # fewer: write_missing may well encode them in its own thread (a lone large chunk)
     return {}
 
@@ -431,7 +435,7 @@ def write_missing(
     threads: int = 1,
     delta: DeltaPlan | None = None,
     ahead: Mapping[bytes, Future[tuple[codec.Frame, int | None]]] | None = None,
-    planes: PlaneHints | None = None,
+    planes: PlaneTries | None = None,
 ) -> Callable[[], None]:
     """Encode the chunks in ``missing`` on the pool, in order, and append them to packs; returns
     once the last pack is finished, with the function that waits until every pack is durable
@@ -454,8 +458,8 @@ def write_missing(
     ``ahead``: encodes :func:`encode_ahead` started; the chunks among them that are missing take
     their frames from there, the others are dropped once they end.
 
-    ``planes``: the store object's :class:`PlaneHints`, which planes to compress in each chunk
-    (chunks encoded as deltas go without)."""
+    ``planes``: the commit's :class:`PlaneTries`, which planes to compress in each chunk, and
+    where what its frames show is kept (chunks encoded as deltas go without)."""
     inflight: deque[tuple[bytes, memoryview, Future[tuple[codec.Frame, int | None]]]] = deque()
     early = dict(ahead or {})
     chunks, large = _unique_missing(staged, missing, chunk_size)
@@ -464,15 +468,14 @@ def write_missing(
     # small chunks to encode in this thread, in order: digest, bytes, element size, place
     batch: list[tuple[bytes, memoryview, int, tuple[str, int, int]]] = []
     batch_bytes = 0
-    hints = planes.begin() if planes is not None else None
     places: dict[bytes, tuple[str, int, int]] = {}  # of the large chunks in flight, to learn from
 
     def add(
         d: bytes, frame: codec.Frame, chain: int | None = None, *, raw: memoryview, place: tuple[str, int, int] | None = None
     ) -> None:
         writer.add(d, frame, raw.nbytes, chain)
-        if hints is not None and place is not None and chain is None:
-            hints.learn(place, frame)
+        if planes is not None and place is not None and chain is None:
+            planes.learn(place, frame)
         if progress is not None:
             progress(raw.nbytes)
 
@@ -484,7 +487,7 @@ def write_missing(
         for i, (_, _, item, _) in enumerate(todo):
             by_item.setdefault(item, []).append(i)
         for item, at in by_item.items():
-            tries = None if hints is None else [hints.tries(todo[i][3]) for i in at]
+            tries = None if planes is None else [planes.tries(todo[i][3]) for i in at]
             for i, frame in zip(at, codec.encode_many([todo[i][1] for i in at], item, level, threads, tries)):
                 frames[i] = frame
         for (d, raw, _, place), frame in zip(todo, frames):
@@ -521,11 +524,11 @@ def write_missing(
                     encode_batch()
                 continue
             elif inline:  # encoded and written at once, one frame held
-                tries = None if hints is None else hints.tries(place)
+                tries = None if planes is None else planes.tries(place)
                 add(d, codec.encode(raw, st.itemsize, level, tries), raw=raw, place=place)
                 continue
             else:
-                tries = None if hints is None else hints.tries(place)
+                tries = None if planes is None else planes.tries(place)
                 inflight.append((d, raw, pool.submit(_whole, raw, st.itemsize, level, tries)))
                 places[d] = place
             if len(inflight) >= window:
@@ -533,8 +536,6 @@ def write_missing(
         encode_batch()
         while inflight:
             pop_inflight()
-        if planes is not None and hints is not None:
-            planes.end(hints)
         return writer.close_later()
     except BaseException:
         for _, _, fut in inflight:

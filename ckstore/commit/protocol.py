@@ -206,6 +206,9 @@ class StagedCommit:
         self._durable_at_finish = False
         # a group of one without deltas: its first large chunks' encodes, started before the claim
         self.ahead: dict[bytes, Any] = {}
+        # the byte planes this commit compresses in each chunk (encoded ahead or not), from the
+        # store object's last commit
+        self.plane_tries = ctx.planes.begin() if ctx.planes is not None else None
 
     @property
     def what(self) -> str:
@@ -337,7 +340,7 @@ class StagedCommit:
             elif g.size == 1 and self.ctx.ahead is not None:  # likely missing ones encode during the claim
                 self.ahead = _stage.encode_ahead(
                     self.entries, self.staged, cs, self.cfg.compression_level, self.pool, self.ctx.workers, self.ctx.ahead,
-                    self.ctx.planes,
+                    self.plane_tries,
                 )  # fmt: skip
             join = _join if g.size > 1 else list  # (a group of one hands its own lists over)
             return join(list(self.held)), list(self.held.values()), join(list(dict.fromkeys(self.bases.values())))
@@ -464,9 +467,11 @@ class StagedCommit:
             durable = _stage.write_missing(
                 self.staged, assigned, writer, self.pool, chunk_size=cfg.chunk_size,
                 level=cfg.compression_level, window=2 * self.ctx.workers, progress=tick, threads=self.ctx.workers,
-                delta=delta, ahead=self.ahead, planes=self.ctx.planes,
+                delta=delta, ahead=self.ahead, planes=self.plane_tries,
             )  # fmt: skip
             self.ahead = {}
+            if self.ctx.planes is not None and self.plane_tries is not None:
+                self.ctx.planes.end(self.plane_tries)
             if g.size == 1 and self.ctx.delta is None and self.ctx.ahead is not None:
                 self.ctx.ahead.remember(_stage.written_places(self.entries, self.staged, assigned, cfg.chunk_size))
             if self._durable_at_finish and g.rank == 0:

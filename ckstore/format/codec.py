@@ -158,7 +158,7 @@ def encode(raw: memoryview, itemsize: int, level: int = 1, tries: int | None = N
     if tries is not None:
         return _tried_planes(raw, a, itemsize, pc, tries)
     if n <= _SAMPLE_BYTES * itemsize:  # each plane's sample would be the whole plane
-        return _small_planes(raw, a, itemsize, pc)
+        return _tried_planes(raw, a, itemsize, pc, (1 << itemsize) - 1)
     mask = 0
     for j, sample in enumerate(split_planes(a[: _SAMPLE_BYTES * itemsize], itemsize)):
         if _shrinks(sample, pc):
@@ -280,17 +280,11 @@ def _planes_of_many(raws: Sequence[memoryview], itemsize: int) -> list[list[np.n
     return out
 
 
-def _small_planes(raw: memoryview, a: np.ndarray, itemsize: int, pc: zstandard.ZstdCompressor) -> Frame:
-    """:func:`encode` of a chunk whose planes are no longer than a sample: each plane is
-    compressed once and kept compressed if it shrank as a sample must (the same frame as
-    sampling first, for half the work)."""
-    planes = [p.data for p in split_planes(a, itemsize)]
-    return _small_planes_frame(raw, itemsize, planes, [memoryview(pc.compress(p)) for p in planes])
-
-
 def _tried_planes(raw: memoryview, a: np.ndarray, itemsize: int, pc: zstandard.ZstdCompressor, tries: int) -> Frame:
     """:func:`encode` of a chunk told which planes to try: those compressed whole, each kept
-    where it shrinks as a sample must, the others stored raw."""
+    where it shrinks as a sample must, the others stored raw. Every plane tried is also how a
+    chunk whose planes are no longer than a sample is encoded: each compressed once, the same
+    frame as sampling first, for half the work."""
     tries &= (1 << itemsize) - 1
     if not tries:  # no plane shrank last time: stored raw, straight from the tensor's memory
         return Frame(CODEC_RAW, (_HEADER.pack(CODEC_RAW, 1, 0, raw.nbytes), raw), HEADER_SIZE + raw.nbytes)
