@@ -9,6 +9,8 @@ store. The rules for catalog URLs live in :mod:`ckstore.urls`.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -24,6 +26,9 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PACK_SIZE",
     "MAX_DELTA_CHAIN",
+    "SETTINGS",
+    "check_setting_names",
+    "check_setting_types",
     "check_no_secret",
     "expand",
 ]
@@ -36,6 +41,38 @@ DEFAULT_PACK_SIZE = 64 * 1024 * 1024
 #: are as long as ``ckstore.open(..., delta_chain=N)`` says, at most this); a longer chain is
 #: refused as damaged
 MAX_DELTA_CHAIN = 16
+#: what ``ckstore.open``/``ckstore.init`` take as a new store's settings (the catalog apart); the
+#: format version and creation time are the store's own
+SETTINGS = ("chunk_size", "pack_size", "compression_level", "lease_seconds")
+
+
+def check_setting_names(settings: Mapping[str, Any]) -> None:
+    """Refuse a keyword that is no store setting (a misspelt ``chunk_size`` would otherwise be
+    ignored where the store exists), naming it and the settings there are."""
+    unknown = sorted(k for k in settings if k not in SETTINGS)
+    if unknown:
+        raise StoreConfigError(
+            f"unknown store setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"a new store takes {', '.join(SETTINGS)}"
+        )
+
+
+def check_setting_types(values: Mapping[str, Any]) -> None:
+    """Refuse a setting of the wrong type (a str, a bool, a float where an int belongs), naming
+    it; the ranges are :meth:`StoreConfig.validate`'s."""
+    for name, value in values.items():
+        if name in ("format_version", "chunk_size", "pack_size", "compression_level"):
+            if not _whole(value):
+                raise StoreConfigError(f"{name} must be an int, got {value!r}")
+        elif name == "lease_seconds":
+            if not (_whole(value) or isinstance(value, float)) or not math.isfinite(value):
+                raise StoreConfigError(f"lease_seconds must be a number of seconds, got {value!r}")
+        elif name == "created_at" and not isinstance(value, str):
+            raise StoreConfigError(f"created_at must be a string, got {value!r}")
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +89,7 @@ class StoreConfig:
         """Check the settings. A catalog URL read back from a store is checked when it is used
         (:func:`ckstore.urls.expand_stored`), so ``--catalog`` still opens a store whose recorded
         URL is refused."""
+        check_setting_types(asdict(self))
         if self.format_version != FORMAT_VERSION:
             raise StoreConfigError(
                 f"store format version {self.format_version} is not supported by this ckstore (it reads "
@@ -82,8 +120,11 @@ class StoreConfig:
             raise StoreConfigError(f"{where}/{CONFIG_KEY} is not a valid ckstore config: {e}") from e
 
     @classmethod
-    def new(cls, **settings: Any) -> StoreConfig:
+    def new(cls, catalog: str | None = None, **settings: Any) -> StoreConfig:
+        check_setting_names(settings)
         given = {k: v for k, v in settings.items() if v is not None}
+        if catalog is not None:
+            given["catalog"] = catalog
         new = replace(cls(), created_at=datetime.now(timezone.utc).isoformat(), **given).validate()
         if new.catalog:
             check_storable(new.catalog)

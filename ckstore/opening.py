@@ -13,7 +13,7 @@ from typing import Any
 
 from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, is_local_url, open_blobstore
 from .catalog import Catalog
-from .config import CONFIG_KEY, StoreConfig
+from .config import CONFIG_KEY, StoreConfig, check_setting_names, check_setting_types
 from .errors import AlreadyExistsError, StoreConfigError
 from .store import Store
 from .urls import check_storable, expand_given, expand_stored, redact
@@ -115,6 +115,7 @@ def _open(
     storage_options: Mapping[str, Any] | None,
     settings: Mapping[str, Any],
 ) -> Store:
+    check_setting_names(settings)
     blobs = open_blobstore(loc, **dict(storage_options or {}))
     hint = f"ckstore --store {loc} db upgrade"
     config = read_config(blobs)
@@ -143,7 +144,8 @@ def _open(
 
 
 def _check_settings(loc: str, config: StoreConfig, settings: Mapping[str, Any]) -> None:
-    changed = {k: v for k, v in settings.items() if v is not None and getattr(config, k, v) != v}
+    check_setting_types({k: v for k, v in settings.items() if v is not None})
+    changed = {k: v for k, v in settings.items() if v is not None and getattr(config, k) != v}
     if changed:
         raise StoreConfigError(
             f"store {loc} was created with {', '.join(f'{k}={getattr(config, k)!r}' for k in changed)}; "

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -308,6 +311,47 @@ def test_store_remembers_its_settings(store_path: Path) -> None:
         ckstore.open(store_path.parent / "nothing", create=False)
     with pytest.raises(StoreConfigError, match="needs a run"):
         again.commit(2, {0: {"m": {}}})
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"chunk_sze": 4096}, "unknown store setting 'chunk_sze'; a new store takes chunk_size, pack_size"),
+        ({"created_at": "2020", "format_version": 1}, "unknown store settings 'created_at', 'format_version'"),
+        ({"chunk_size": "4MiB"}, "chunk_size must be an int, got '4MiB'"),
+        ({"pack_size": True}, "pack_size must be an int, got True"),
+        ({"compression_level": 3.5}, "compression_level must be an int, got 3.5"),
+        ({"lease_seconds": float("nan")}, "lease_seconds must be a number of seconds, got nan"),
+        ({"lease_seconds": "60"}, "lease_seconds must be a number of seconds, got '60'"),
+    ],
+)
+def test_settings_that_are_not_ones_are_refused_naming_them(
+    tmp_path: Path, settings: dict[str, Any], match: str
+) -> None:
+    """A misspelt or mistyped setting is refused by name, both where ``open`` would create the
+    store (nothing is written) and where the store exists (a misspelt one was ignored there)."""
+    new = tmp_path / "new"
+    for call in (ckstore.init, ckstore.open):
+        with pytest.raises(StoreConfigError, match=re.escape(match)):
+            call(new, **settings)
+        assert not (new / "ckstore.json").exists()
+    ckstore.init(tmp_path / "old").close()
+    before = (tmp_path / "old" / "ckstore.json").read_bytes()
+    with pytest.raises(StoreConfigError, match=re.escape(match)):
+        ckstore.open(tmp_path / "old", **settings)
+    assert (tmp_path / "old" / "ckstore.json").read_bytes() == before
+
+
+def test_a_config_of_the_wrong_types_is_refused(tmp_path: Path) -> None:
+    """``ckstore.json`` is read from the store, so a number of the wrong type in it is refused as
+    a broken config, not used (a float chunk size would reach the chunker)."""
+    ckstore.init(tmp_path / "s").close()
+    path = tmp_path / "s" / "ckstore.json"
+    doc = json.loads(path.read_text())
+    for field, value in (("chunk_size", 4194304.5), ("compression_level", True), ("lease_seconds", "60")):
+        path.write_text(json.dumps({**doc, field: value}))
+        with pytest.raises(StoreConfigError, match=f"not a valid ckstore config: {field} must be"):
+            ckstore.open(tmp_path / "s")
 
 
 def test_checkout_subsets(store: ckstore.Store) -> None:
