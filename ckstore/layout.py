@@ -25,9 +25,15 @@ class WorldLayout:
     dims: tuple[tuple[str, int], ...]
 
     def __init__(self, mesh: Mapping[str, int] | tuple[tuple[str, int], ...] | None = None) -> None:
-        items = tuple(mesh.items()) if isinstance(mesh, Mapping) else tuple(mesh or ())
+        try:
+            items = tuple(mesh.items()) if isinstance(mesh, Mapping) else tuple(mesh or ())
+            pairs = [(name, size) for name, size in items]
+        except (TypeError, ValueError):
+            raise LayoutError(
+                f"a world layout is a mesh of named dims, {{'dp': 2, 'tp': 2}}, got {type(mesh).__name__} {mesh!r}"
+            ) from None
         seen: set[str] = set()
-        for name, size in items:
+        for name, size in pairs:
             if not isinstance(name, str) or not name:
                 raise LayoutError(f"mesh dim names must be non-empty strings, got {name!r}")
             if name in seen:

@@ -81,9 +81,11 @@ def open(  # noqa: A001 - ckstore.open mirrors the builtin on purpose
     deleted (256 MiB by default; 0: delete them, and let gc delete those already kept). Writing
     over a file costs the disk less than a fresh one; ``ckstore gc`` opens with 0.
     """
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise StoreConfigError(f"workers must be a number of threads (an int >= 1) or None, got {workers!r}")
     if recycle_bytes is not None:
-        _check_recycle_bytes(recycle_bytes, os.fspath(location))
-    store = _open(os.fspath(location), catalog, run, create, False, workers, storage_options, settings)
+        _check_recycle_bytes(recycle_bytes, _location(location))
+    store = _open(_location(location), catalog, run, create, False, workers, storage_options, settings)
     if recycle_bytes is not None and store.blobs.is_local:
         store.blobs.recycle_bytes = recycle_bytes
     if delta_chain or delta_memory is not None:
@@ -116,6 +118,12 @@ def _open(
     settings: Mapping[str, Any],
 ) -> Store:
     check_setting_names(settings)
+    if catalog is not None and not isinstance(catalog, str):
+        raise StoreConfigError(f"catalog must be an SQLAlchemy URL (a string) or None, got {type(catalog).__name__}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise StoreConfigError(
+            f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}"
+        )
     blobs = open_blobstore(loc, **dict(storage_options or {}))
     hint = f"ckstore --store {loc} db upgrade"
     config = read_config(blobs)
@@ -194,4 +202,12 @@ def init(
     **settings: Any,
 ) -> Store:
     """Create a store (an error if one exists at ``location``)."""
-    return _open(os.fspath(location), catalog, None, True, True, None, storage_options, settings)
+    return _open(_location(location), catalog, None, True, True, None, storage_options, settings)
+
+
+def _location(location: object) -> str:
+    if isinstance(location, os.PathLike):
+        location = os.fspath(location)
+    if not isinstance(location, str) or not location:
+        raise StoreConfigError(f"a store's location is a path or an fsspec URL (a string), got {location!r}")
+    return location

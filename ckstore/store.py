@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -15,6 +16,7 @@ from .errors import (
     CheckpointNotFoundError,
     ChunkNotFoundError,
     CkstoreError,
+    LayoutError,
     StoreConfigError,
 )
 from .format.manifest import Manifest
@@ -42,6 +44,58 @@ if TYPE_CHECKING:  # retention and garbage collection
     from .maintenance.gc import GcReport
     from .maintenance.recover import RecoverReport
     from .maintenance.retention import Policy
+
+
+def check_layout(world_layout: object) -> None:
+    """Refuse a ``world_layout`` that is no :class:`WorldLayout` (None: the saved one)."""
+    if world_layout is not None and not isinstance(world_layout, WorldLayout):
+        raise LayoutError(
+            "world_layout must be a ckstore.WorldLayout (WorldLayout({'dp': 2}), WorldLayout.single()) or "
+            f"None, got {type(world_layout).__name__} {world_layout!r}"
+        )
+
+
+def _checkout_subset(ranks: object, sub_keys: object) -> tuple[list[int] | None, list[str] | None]:
+    """``ranks`` and ``sub_keys`` of a checkout, checked: lists of ints and of names (a string
+    is refused, not split into its characters)."""
+    rank_list = key_list = None
+    if ranks is not None:
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise StoreConfigError(f"ranks must be a list of ranks (ints), got {type(ranks).__name__} {ranks!r}")
+        given = list(ranks)
+        rank_list = []
+        for r in given:
+            try:
+                rank = -1 if isinstance(r, bool) else operator.index(r)  # numpy's ints too
+            except TypeError:
+                rank = -1
+            if rank < 0:
+                raise StoreConfigError(f"ranks must be non-negative ints, got {r!r} in {given!r}")
+            rank_list.append(rank)
+        rank_list = sorted(set(rank_list))
+    if sub_keys is not None:
+        if isinstance(sub_keys, (str, bytes)) or not isinstance(sub_keys, Iterable):
+            raise StoreConfigError(
+                f"sub_keys must be a list of sub-checkpoint names, got {type(sub_keys).__name__} {sub_keys!r}"
+                + (f"; for one pass sub_keys=[{sub_keys!r}]" if isinstance(sub_keys, str) else "")
+            )
+        key_list = list(sub_keys)
+        for k in key_list:
+            if not isinstance(k, str):
+                raise StoreConfigError(f"sub_keys must be sub-checkpoint names (strings), got {k!r} in {key_list!r}")
+    return rank_list, key_list
+
+
+def _device(device: Any) -> Any:
+    """``device`` as a ``torch.device`` (None stays None), or an error naming it."""
+    import torch
+
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise StoreConfigError(f"device must name a torch device ('cpu', 'cuda', 'cuda:1'), got {device!r}: {e}") from None
 
 
 def _scope(
@@ -286,6 +340,7 @@ class Store:
         from .commit import _stage, protocol
         from .diff.lineage import commit_parent
 
+        check_layout(world_layout)
         if self._ahead is None:
             self._ahead = _stage.AheadHint()
             self._planes = _stage.PlaneHints()
@@ -321,11 +376,12 @@ class Store:
         """
         from .commit import collective as _dist
 
+        check_layout(world_layout)
+        device = _device(device)
         group = _dist.active_group(process_group)
         if group is not None and ranks is None:
             ranks = _dist.own_ranks(group, world_layout)
-        rank_list = None if ranks is None else sorted(set(ranks))
-        keys = None if sub_keys is None else list(sub_keys)
+        rank_list, keys = _checkout_subset(ranks, sub_keys)
         with collector_paused():  # see ckstore._collector
             # the checkpoint, its entries and (for all of it) its chunks' locations: one snapshot
             rows = self.catalog.checkout_rows(
@@ -359,8 +415,8 @@ class Store:
         device: Any = None,
     ) -> dict[int, dict[str, Any]]:
         """Check out an already resolved checkpoint (see :meth:`checkout`)."""
-        rank_list = None if ranks is None else sorted(set(ranks))
-        keys = None if sub_keys is None else list(sub_keys)
+        check_layout(world_layout)
+        rank_list, keys = _checkout_subset(ranks, sub_keys)
         return self._load(
             ckpt, world_layout, rank_list, keys, allow_pickle=allow_pickle, fallback=fallback, progress=progress,
             device=device,
@@ -383,13 +439,11 @@ class Store:
         """:meth:`load`; ``rows``: what :meth:`checkout` read of the catalog already."""
         import dataclasses
 
-        import torch
-
         from .checkout.executor import allocate_targets, execute_plan
         from .checkout.reshard import plan_checkout
         from .format.tensorio import dtype_from_name, itemsize, to_device
 
-        dev = torch.device(device) if device is not None else None
+        dev = _device(device)
         target = None if world_layout is None or world_layout == ckpt.world_layout else world_layout
         if rows is not None:
             mans = self._manifests(ckpt, rows.entries)
@@ -687,6 +741,10 @@ class Store:
         from .commit.protocol import CommitContext
         from .maintenance.copy import copy_checkpoints
 
+        if not isinstance(dest, Store):
+            raise StoreConfigError(
+                f"copy's dest must be a ckstore.Store (ckstore.open(location)), got {type(dest).__name__} {dest!r}"
+            )
         ckpts = {c.id: c for c in (self.resolve(r) for r in refs)}
         if run is not None:
             self.catalog.require_run(run)

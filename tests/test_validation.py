@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from helpers import bits
 
 import ckstore
-from ckstore.errors import InvalidRefError, StoreConfigError, UnsupportedValueError
+from ckstore.errors import InvalidRefError, LayoutError, StoreConfigError, UnsupportedValueError
 from ckstore.format.tensorio import MAX_DEPTH, flatten
 from ckstore.refs import parse_ref
 
@@ -310,3 +310,73 @@ def test_keys_that_only_look_alike_are_stored(vstore: ckstore.Store) -> None:
     got = vstore.checkout(2)[0]["s"]
     assert torch.equal(got["a/b"], torch.ones(2)) and torch.equal(got["a"]["c"], torch.zeros(2))
     assert (got[1], got["2"], got[""], got["l"], got["l/1/1"]) == ("int key", "str key", {"": 5}, [1, [2]], 3)
+
+
+# -- arguments of checkout, copy and open ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sub_keys": "m"}, StoreConfigError, r"sub_keys must be a list .*; for one pass sub_keys=\['m'\]"),
+        ({"sub_keys": [1]}, StoreConfigError, "sub_keys must be sub-checkpoint names"),
+        ({"ranks": "0"}, StoreConfigError, "ranks must be a list of ranks"),
+        ({"ranks": [0, -1]}, StoreConfigError, r"ranks must be non-negative ints, got -1 in \[0, -1\]"),
+        ({"ranks": [True]}, StoreConfigError, "ranks must be non-negative ints, got True"),
+        ({"world_layout": 2}, LayoutError, "world_layout must be a ckstore.WorldLayout"),
+        ({"world_layout": {"dp": 1}}, LayoutError, "world_layout must be a ckstore.WorldLayout"),
+        ({"device": "gpu"}, StoreConfigError, "device must name a torch device .*got 'gpu'"),
+    ],
+)
+def test_checkout_arguments_of_the_wrong_kind_are_refused_naming_them(
+    vstore: ckstore.Store, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """A string of sub-checkpoint names is refused, not split into its characters (``"m"`` used
+    to check out sub-checkpoint ``m`` by chance, ``"model_states"`` to fail naming letters), and
+    a layout, rank or device of the wrong type is named, where they used to fail deep inside."""
+    with pytest.raises(error, match=match):
+        vstore.checkout(1, **kwargs)
+    with pytest.raises(error, match=match):
+        vstore.load(vstore.resolve(1), **kwargs)
+    assert vstore.checkout(1, sub_keys=["m"], ranks=[0], device="cpu")[0]["m"]["w"].shape == (BIG,)
+
+
+def test_a_commit_with_a_layout_that_is_none_is_refused(vstore: ckstore.Store) -> None:
+    refused(vstore, LayoutError, "world_layout must be a ckstore.WorldLayout", lambda: vstore.commit(2, states(), world_layout=2))  # type: ignore[arg-type]
+
+
+def test_a_mesh_that_is_no_mapping_is_a_layout_error() -> None:
+    for mesh in (5, "dp", [("dp",)]):
+        with pytest.raises(LayoutError, match="a world layout is a mesh of named dims"):
+            ckstore.WorldLayout(mesh)  # type: ignore[arg-type]
+
+
+def test_copy_to_something_that_is_no_store_is_refused(vstore: ckstore.Store, tmp_path: Path) -> None:
+    with pytest.raises(StoreConfigError, match="copy's dest must be a ckstore.Store"):
+        vstore.copy([1], str(tmp_path / "other"))  # type: ignore[arg-type]
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"workers": "4"}, r"workers must be a number of threads \(an int >= 1\) or None, got '4'"),
+        ({"workers": 0}, "workers must be a number of threads"),
+        ({"catalog": 5}, "catalog must be an SQLAlchemy URL"),
+        ({"storage_options": [("anon", True)]}, "storage_options must be a dict"),
+    ],
+)
+def test_open_arguments_of_the_wrong_kind_are_refused_naming_them(
+    tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(StoreConfigError, match=match):
+        ckstore.open(tmp_path / "s", **kwargs)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_location_that_is_no_path_is_refused() -> None:
+    for location in (5, None, ""):
+        with pytest.raises(StoreConfigError, match="a store's location is a path or an fsspec URL"):
+            ckstore.open(location)  # type: ignore[arg-type]
+        with pytest.raises(StoreConfigError, match="a store's location is a path or an fsspec URL"):
+            ckstore.init(location)  # type: ignore[arg-type]
