@@ -11,6 +11,7 @@ from helpers import assert_same, small_model_state
 
 import ckstore
 from ckstore.cli import main
+from ckstore.errors import StoreConfigError
 from ckstore.integrations.files import export_checkpoint, import_checkpoint, read_checkpoint
 
 
@@ -81,3 +82,26 @@ def test_cli_import_export(tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["--store", loc, "import", str(tmp_path / "m.pt"), "--step", "1", "--run", "base",
                                   "--metric", "oops"])  # fmt: skip
     assert r.exit_code == 2 and "NAME=VALUE" in r.output
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_an_export_that_cannot_be_written_is_refused_before_reading(
+    store: ckstore.Store, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file export into a folder that does not exist, or onto a folder, is refused naming it
+    before the checkpoint is read (it was torch's or safetensors' own error after the whole
+    checkpoint had been loaded); nothing is written."""
+    store.commit(1, {0: small_model_state()})
+    loads: list[int] = []
+    real_load = store.load
+    monkeypatch.setattr(store, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    with pytest.raises(StoreConfigError, match="no folder '.*missing' to write .* into; create it first"):
+        export_checkpoint(store, 1, str(tmp_path / "missing" / "out"), fmt=fmt, sub_key="model_states")
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(StoreConfigError, match=f"is a folder; a {fmt} export writes one file"):
+        export_checkpoint(store, 1, str(tmp_path / "adir"), fmt=fmt, sub_key="model_states")
+    with pytest.raises(StoreConfigError, match="unknown checkpoint format 'bogus'"):
+        export_checkpoint(store, 1, str(tmp_path / "out"), fmt="bogus")
+    assert loads == [] and not (tmp_path / "missing").exists() and list((tmp_path / "adir").iterdir()) == []
+    export_checkpoint(store, 1, str(tmp_path / "out"), fmt=fmt, sub_key="model_states")
+    assert loads == [1] and (tmp_path / "out").stat().st_size > 0

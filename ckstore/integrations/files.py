@@ -20,6 +20,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -217,6 +218,21 @@ def write_checkpoint(state: Any, path: str, fmt: str) -> None:
         raise StoreConfigError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(FORMATS)}")
 
 
+def _check_destination(path: Any, fmt: str) -> None:
+    """Refuse an export that could not be written, before the checkpoint is read: an unknown
+    format, or a file whose folder does not exist or whose path is a folder."""
+    if fmt not in FORMATS:
+        raise StoreConfigError(f"unknown checkpoint format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise StoreConfigError(f"the export's path must be a file or folder name, got {path!r}")
+    if fmt in ("torch", "safetensors"):
+        target = Path(path)
+        if target.is_dir():
+            raise StoreConfigError(f"{path} is a folder; a {fmt} export writes one file")
+        if not target.parent.is_dir():
+            raise StoreConfigError(f"no folder {str(target.parent)!r} to write {path} into; create it first")
+
+
 def export_checkpoint(
     store: Any,
     ref: str | int,
@@ -234,6 +250,7 @@ def export_checkpoint(
     Without ``sub_key`` the file holds ``{sub_key: state_dict}`` for every sub-checkpoint.
     ``fmt="deepspeed"`` writes every rank's files as a stock DeepSpeed folder at ``path``.
     """
+    _check_destination(path, fmt)
     if fmt == "deepspeed":
         from .deepspeed import export_folder
 
