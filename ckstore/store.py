@@ -17,6 +17,7 @@ from .errors import (
     ChunkNotFoundError,
     CkstoreError,
     LayoutError,
+    PolicyError,
     StoreConfigError,
 )
 from .format.manifest import Manifest
@@ -630,10 +631,12 @@ class Store:
             _gc.check_policy(policy)
         if run is not None:
             check_name("run", run)
-        if repack and min_dead is not None:
+        if min_dead is not None:
             from .maintenance.repack import check_min_dead
 
             check_min_dead(min_dead)
+            if not repack:
+                raise PolicyError(f"min_dead={min_dead!r} applies to repacking: pass repack=True (--repack) with it")
         kwargs: dict[str, Any] = dict(
             policy=policy, run=run, dry_run=dry_run, grace=grace, progress=progress, repack=repack, min_dead=min_dead
         )

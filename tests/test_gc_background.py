@@ -107,8 +107,12 @@ def test_bad_arguments_are_refused_in_the_call(store: ckstore.Store) -> None:
         store.gc("keep-last-2", blocking=False)  # type: ignore[call-overload]
     with pytest.raises(ckstore.CkstoreError, match="run"):
         store.gc(run="no/such run", blocking=False)
-    with pytest.raises(ValueError, match="min_dead must be a fraction"):
+    with pytest.raises(ckstore.PolicyError, match="min_dead must be a fraction"):
         store.gc(repack=True, min_dead=1.5, blocking=False)
+    with pytest.raises(ckstore.PolicyError, match="min_dead must be a fraction"):
+        store.gc(min_dead="x", blocking=False)  # type: ignore[call-overload]
+    with pytest.raises(ckstore.PolicyError, match="min_dead=0.5 applies to repacking: pass repack=True"):
+        store.gc(min_dead=0.5, blocking=False)  # type: ignore[call-overload]
     assert store._gcs is None  # nothing was queued
     store.close()
 

@@ -98,6 +98,8 @@ def test_bad_rules_and_unknown_runs_are_clear_errors(tmp_path: Path) -> None:
     assert code == 2 and "KIND:N" in out
     code, out = _run(loc, "gc", "--grace", "soon")
     assert code == 2 and "invalid duration" in out
+    code, out = _run(loc, "gc", "--min-dead", "0.3")  # was ignored without --repack
+    assert code == 2 and "PolicyError" in out and "(--repack)" in out, out
     code, out = _run(loc, "gc", "--run", "nope", "--keep-last", "1")
     assert code == 2 and "no run named 'nope'" in out
     code, out = _run(loc, "policy", "show", "nope")

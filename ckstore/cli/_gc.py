@@ -182,7 +182,7 @@ def gc(obj: Ctx, run_name: str | None, keep_last: int | None, keep_best: tuple[s
     with _progress() as progress:
         report = store.gc(
             policy, run=run_name, dry_run=dry_run, grace=_grace(grace), progress=progress,
-            **({"repack": True, "min_dead": min_dead} if repack else {}),
+            repack=repack, min_dead=min_dead,
         )  # fmt: skip
     if as_json:
         print_json(

@@ -31,7 +31,7 @@ import numpy as np
 from ..blobstore import BlobStore
 from ..catalog import Catalog, ChunkLocation, NewChunk, RepackCandidate, utcnow
 from ..checkout.bases import Bases
-from ..errors import ChunkNotFoundError, IntegrityError
+from ..errors import ChunkNotFoundError, IntegrityError, PolicyError
 from ..format import hashing
 from ..format.codec import Frame
 from ..format.pack import PackedChunk, PackWriter, new_pack_key
@@ -46,7 +46,7 @@ DEFAULT_MIN_DEAD = 0.5
 def check_min_dead(min_dead: object) -> None:
     """Refuse a ``min_dead`` that is not a fraction in [0, 1)."""
     if isinstance(min_dead, bool) or not isinstance(min_dead, (int, float)) or not 0.0 <= min_dead < 1.0:
-        raise ValueError(f"min_dead must be a fraction in [0, 1), got {min_dead!r}")
+        raise PolicyError(f"min_dead must be a fraction in [0, 1), got {min_dead!r}")
 
 
 @dataclass(frozen=True, slots=True)
