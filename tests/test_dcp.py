@@ -135,6 +135,23 @@ def test_dcp_one_process_save_load_async_and_store_commit(store: ckstore.Store) 
         assert target["obj"]["o"] == complex(1, 2)
 
 
+def test_the_writers_arguments_are_checked_when_it_is_made(store: ckstore.Store) -> None:
+    """A string of tags is refused, not stored as one tag per character (what the Writer did),
+    and a bad step or metric is named in the rank's own call, before DCP's save runs."""
+    with pytest.raises(ckstore.InvalidRefError, match=r"for one tag pass tags=\['best'\]"):
+        ckdcp.Writer(store, step=1, tags="best")
+    with pytest.raises(ckstore.StoreConfigError, match="step must be a non-negative int"):
+        ckdcp.Writer(store, step="1")  # type: ignore[arg-type]
+    with pytest.raises(ckstore.StoreConfigError, match="metric 'loss' must be a number"):
+        ckdcp.Writer(store, step=1, metrics={"loss": "low"})  # type: ignore[dict-item]
+    with pytest.raises(ckstore.CkstoreError, match="Writer needs a ckstore.Store"):
+        ckdcp.Writer(str(store.location), step=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(), storage_writer=ckdcp.Writer(store, step=1, tags=["best"]))
+    assert store.resolve("best").tags == ("best",) and store.checkpoints() == [store.resolve(1)]
+
+
 def test_export_dcp_folder_loads_with_dcps_own_reader(store: ckstore.Store, tmp_path: Path) -> None:
     from click.testing import CliRunner
     from torch.distributed.checkpoint import FileSystemReader

@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..checkout.reshard import StoredPiece
+from ..commit._arguments import check_arguments
 from ..commit.collective import active_group, group_rank
 from ..commit.dtensor import DTensorLeaves, default_layout
 from ..commit.protocol import StagedCommit
@@ -100,6 +101,13 @@ class Writer(StorageWriter):
         process_group: Any = None,
     ) -> None:
         super().__init__()
+        from ..store import Store
+
+        if not isinstance(store, Store):
+            raise CkstoreError(f"Writer needs a ckstore.Store (ckstore.open(location)), got {type(store).__name__}")
+        # checked here, in every rank's own call, rather than inside DCP's save (a str of tags
+        # would have been split into one tag per character)
+        check_arguments(run or store.run, step, metrics, tags, kind)
         self.store = store
         self.step, self.metrics, self.tags, self.kind = step, metrics, tuple(tags), kind
         self.run, self.replace, self.allow_pickle = run, replace, allow_pickle
