@@ -7,6 +7,7 @@ fixture: an empty store of its kind, private to the test.
 from __future__ import annotations
 
 import os
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +23,10 @@ class BlobStoreConformance:
 
     # -- writing and reading --------------------------------------------------------------------
     def test_put_and_read_back(self, blobs: BlobStore) -> None:
-        data = os.urandom(10_000)
+        # seeded: gcp-storage-emulator drops a trailing b"\r" of an upload (its multipart parser), so
+        # random bytes failed the GCS run one time in 256 (real GCS keeps every byte)
+        data = random.Random(0).randbytes(10_000)
+        assert not data.endswith(b"\r")
         blobs.put("packs/ab/one", data)
         assert blobs.read("packs/ab/one") == data
         assert blobs.exists("packs/ab/one")
