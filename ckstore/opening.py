@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from .blobstore import BlobExistsError, BlobNotFoundError, BlobStore, is_local_url, open_blobstore
-from .catalog import Catalog
+from .catalog import Catalog, describe_database_error
+from .catalog._engine import check_schema
 from .config import CONFIG_KEY, StoreConfig, check_setting_names, check_setting_types
-from .errors import AlreadyExistsError, StoreConfigError
+from .errors import AlreadyExistsError, CatalogError, StoreConfigError
 from .store import Store
-from .urls import check_storable, expand_given, expand_stored, redact
+from .urls import check_storable, expand_given, expand_stored, parse, redact, scrub
 
 __all__ = ["open", "init", "read_config", "catalog_url"]
 
@@ -131,7 +132,8 @@ def _open(
         if exclusive:
             raise AlreadyExistsError(f"a ckstore store already exists at {loc}")
         _check_settings(loc, config, settings)
-        return Store(loc, blobs, Catalog(catalog_url(loc, blobs, config, catalog), upgrade_hint=hint), config, run=run, workers=workers)
+        cat = _existing_catalog(loc, blobs, config, catalog, create, hint)
+        return Store(loc, blobs, cat, config, run=run, workers=workers)
     if not create:
         raise StoreConfigError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
     if catalog:
@@ -142,6 +144,8 @@ def _open(
             "catalog='postgresql+psycopg://HOST/DB')"
         )
     new = StoreConfig.new(catalog=catalog, **settings)
+    if blobs.is_local and not catalog:  # the folder its SQLite catalog goes in (blobs make theirs on first write)
+        os.makedirs(getattr(blobs, "root"), exist_ok=True)
     cat = Catalog(catalog_url(loc, blobs, new, catalog), upgrade_hint=hint)
     try:
         config = _create_config(loc, blobs, cat, new, settings, exclusive)
@@ -149,6 +153,63 @@ def _open(
         cat.close()
         raise
     return Store(loc, blobs, cat, config, run=run, workers=workers)
+
+
+def _existing_catalog(
+    loc: str, blobs: BlobStore, config: StoreConfig, catalog: str | None, create: bool, hint: str
+) -> Catalog:
+    """The catalog of the existing store at ``loc``, its schema checked. A missing (or empty)
+    catalog is made afresh only with ``create`` and only where the user named it or it is the
+    folder's own SQLite (a lost one, for :meth:`Store.recover` to rebuild); a URL read from the
+    store's config, and any catalog opened with ``create=False``, is never created: that is a
+    :class:`StoreConfigError` naming the catalog and the store, and nothing is written."""
+    url = catalog_url(loc, blobs, config, catalog)
+    if create and (catalog or not config.catalog):
+        return Catalog(url, upgrade_hint=hint)
+    if _missing_sqlite_file(url):
+        raise _no_catalog(url, loc, "does not exist")
+    cat = Catalog(url, upgrade_hint=hint, check=False)
+    try:
+        try:
+            cat.is_empty()  # reads the tables every schema revision has
+        except Exception as e:  # noqa: BLE001 - a missing table is the driver's own error
+            if isinstance(e, CatalogError) and cat.dialect != "sqlite":
+                raise  # the server is unreachable: that error says so
+            if _revision(cat) is None:
+                cause = e.__cause__ if isinstance(e, CatalogError) and e.__cause__ is not None else e
+                reason = scrub(describe_database_error(cause) or str(cause))
+                raise _no_catalog(url, loc, f"has no ckstore schema or cannot be read ({reason})") from e
+        check_schema(cat.engine, hint)  # tables there: verifies their revision, creates nothing
+    except BaseException:
+        cat.close()
+        raise
+    return cat
+
+
+def _revision(cat: Catalog) -> str | None:
+    """The catalog's schema revision; None when it has none, or cannot be read at all."""
+    try:
+        return cat.revisions()[0]
+    except Exception:  # noqa: BLE001 - a file that is no database, say: the caller names the first error
+        return None
+
+
+def _missing_sqlite_file(url: str) -> bool:
+    """Whether ``url`` is an SQLite file that does not exist or is empty (connecting would make it)."""
+    parsed = parse(url)
+    path = parsed.database
+    if not parsed.drivername.startswith("sqlite") or not path or path == ":memory:" or "uri" in parsed.query:
+        return False
+    return not os.path.isfile(path) or os.path.getsize(path) == 0
+
+
+def _no_catalog(url: str, loc: str, what: str) -> StoreConfigError:
+    return StoreConfigError(
+        f"the catalog {redact(url)} of store {loc} {what}; opening an existing store never creates "
+        f"its catalog. If it was lost, rebuild it from the store: `ckstore --store {loc} recover` "
+        "(with --catalog URL for another database); if the store's config names the wrong one, "
+        "pass the right one with --catalog (catalog= in Python)"
+    )
 
 
 def _check_settings(loc: str, config: StoreConfig, settings: Mapping[str, Any]) -> None:

@@ -95,14 +95,18 @@ def redact(url: str) -> str:
 
 _WHOLE_USERINFO = re.compile(r"^([^:/]*://[^/@:?#]*:).*@", re.DOTALL)  # one URL: up to its last "@"
 _USERINFO = re.compile(r"(://[^/@\s:?#]*:)[^\s]*@")
-_QUERY_SECRET = re.compile(r"((?:^|[?&;\s])(?:ssl)?password=)[^&;\s]*", re.IGNORECASE)
+# a value masked already keeps the punctuation after it ("?password=***: timeout")
+_QUERY_SECRET = re.compile(
+    r"((?:^|[?&;\s])(?:ssl)?password=)(?:\*\*\*(?=[.,:;!?]*(?:[&;\s]|$))|[^&;\s]*)", re.IGNORECASE
+)
 
 
 def _mask_by_pattern(text: str) -> str:
     return _QUERY_SECRET.sub(rf"\g<1>{_MASK}", _USERINFO.sub(rf"\g<1>{_MASK}@", text))
 
 
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()\[\]]+")
+# a URL in a message: never its closing punctuation ("failed at URL: ...", "URL, then")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()\[\]]*[^\s'\"<>()\[\].,:;!?]")
 
 
 def scrub(text: str) -> str:
@@ -195,11 +199,34 @@ def _unset(name: str) -> StoreConfigError:
 
 def expand_given(url: str) -> str:
     """A URL the user gave, with every ``$VAR`` / ``${VAR}`` replaced from the environment; an
-    unset one is an error."""
+    unset one is an error.
+
+    The URL is parsed with its references in place and each component expanded on its own, so a
+    value holding ``@``, ``:`` or ``/`` (a password) stays in its component. A URL that does not
+    parse until expanded (a reference as its port, or as the whole URL) is expanded as text."""
     missing = [a or b for a, b in _ANY_REF.findall(url) if (a or b) not in os.environ]
     if missing:
         raise _unset(missing[0])
-    return os.path.expandvars(url)
+    if not _ANY_REF.search(url):
+        return url
+    try:
+        parsed = parse(url)
+    except StoreConfigError:
+        return os.path.expandvars(url)
+    return parsed.set(
+        username=_expand(parsed.username),
+        password=_expand(parsed.password),
+        host=_expand(parsed.host),
+        database=_expand(parsed.database),
+        query={
+            os.path.expandvars(k): os.path.expandvars(v) if isinstance(v, str) else tuple(os.path.expandvars(x) for x in v)
+            for k, v in parsed.query.items()
+        },
+    ).render_as_string(hide_password=False)
+
+
+def _expand(value: str | None) -> str | None:
+    return None if value is None else os.path.expandvars(value)
 
 
 def expand_stored(url: str, where: str) -> str:

@@ -175,3 +175,96 @@ def test_a_real_process_prints_names_as_typed_and_fails_in_one_line(hostile_stor
 
     res = _cli("--store", hostile_store, "show", "exp@99", CKSTORE_DEBUG="1")
     assert res.returncode != 0 and "Traceback" in res.stderr  # asked for: the traceback
+
+
+# -- secrets in a store's location, and what a failed or read-only command leaves behind ----------
+SECRET = "hunter2-secret-value"
+
+
+def test_a_location_with_credentials_is_printed_redacted(tmp_path: Path) -> None:
+    """fsspec reads ``user:password@`` in a location: init, runs, log and demo print it redacted
+    on success too (errors always were)."""
+    loc = f"memory://ck:{SECRET}@bucket-{tmp_path.name}/store"
+    catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
+    res = CliRunner().invoke(main, ["--store", loc, "init", "--catalog", catalog])
+    assert res.exit_code == 0, res.output
+    assert "memory://ck:***@" in res.output and SECRET not in res.output, res.output
+    with ckstore.open(loc, run="exp") as store:
+        store.commit(1, {0: {"model": {"w": torch.ones(2)}}})
+    for args in (["runs"], ["log"], ["log", "exp"]):
+        res = CliRunner().invoke(main, ["--store", loc, *args])
+        assert res.exit_code == 0, (args, res.output)
+        assert SECRET not in res.output, (args, res.output)
+    assert "memory://ck:***@" in CliRunner().invoke(main, ["--store", loc, "runs"]).output
+    res = CliRunner().invoke(main, ["--store", loc, "demo", "--steps", "2", "--commit-every", "1", "--run", "d"])
+    assert res.exit_code == 0, res.output
+    assert "memory://ck:***@" in res.output and SECRET not in res.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["log"], ["runs"], ["show"], ["du"], ["fsck"], ["gc", "--dry-run"], ["db", "current"], ["recover"]],
+)
+def test_read_only_commands_on_a_path_that_is_no_store_make_nothing(tmp_path: Path, args: list[str]) -> None:
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.mkdir()
+    for where in (missing, empty):
+        code, out = _invoke("--store", str(where), *args)
+        assert code == 2 and out.startswith("error: StoreConfigError: no ckstore store at"), (args, out)
+        assert out.strip().count("\n") == 0, out
+    assert not missing.exists() and list(empty.iterdir()) == []
+
+
+def test_a_failed_copy_leaves_no_destination_it_made(hostile_store: str, tmp_path: Path) -> None:
+    """Refs and runs are checked before the destination is made; a copy that fails later (the
+    hostile catalog's kind is refused by the destination) removes the store it made, and only
+    that: a folder that was there keeps what it held."""
+    dest, folder = tmp_path / "dest", tmp_path / "folder"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    for args in (["exp@99"], ["--run", "no-such-run"], ["exp@1", "exp@99"], ["exp@1"]):
+        for where in (dest, folder):
+            code, out = _invoke("--store", hostile_store, "copy", *args, "--to", str(where))
+            assert code == 2 and out.startswith("error: ") and out.strip().count("\n") == 0, (args, out)
+        assert not dest.exists(), args
+        assert [p.name for p in folder.iterdir()] == ["notes.txt"], args
+    clean = str(tmp_path / "clean")
+    with ckstore.open(clean, run="exp") as store:
+        store.commit(1, {0: {"model": {"w": torch.ones(2)}}})
+    code, out = _invoke("--store", clean, "copy", "exp@1", "--to", str(folder))
+    assert code == 0 and "copied 1 checkpoints" in out, out
+    with ckstore.open(folder, create=False) as copied:
+        assert [c.ref for c in copied.checkpoints()] == ["exp@1"]
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_show_refuses_ranks_the_checkpoint_lacks_and_log_a_limit_below_1(tmp_path: Path) -> None:
+    loc = str(tmp_path / "s")
+    with ckstore.open(loc, run="exp") as store:
+        store.commit(1, {0: {"model": {"w": torch.ones(2)}}, 1: {"model": {"w": torch.zeros(2)}}})
+        store.commit(2, {0: {"model": {"w": torch.ones(2)}}, 1: {"model": {"w": torch.zeros(2)}}})
+    code, out = _invoke("--store", loc, "show", "exp@1", "--rank", "5")
+    assert code == 2 and "[0, 1]" in out and "[5]" in out and out.strip().count("\n") == 0, out
+    code, out = _invoke("--store", loc, "show", "exp@1", "--rank", "1")
+    assert code == 0 and "rank 1" in out and "rank 0" not in out, out
+    for bad in ("0", "-2"):
+        for args in (["log", "-n", bad], ["show", "--rank", "-1"]):
+            code, out = _invoke("--store", loc, *args)
+            assert code == 2 and "is not in the range" in out, (args, out)
+    code, out = _invoke("--store", loc, "log", "-n", "1")
+    assert code == 0 and "│    2 │" in out and "│    1 │" not in out, out
+
+
+def test_demo_refuses_commit_every_0_and_fewer_steps_than_commit_every(tmp_path: Path) -> None:
+    where = tmp_path / "demo"
+    code, out = _invoke("--store", str(where), "demo", "--commit-every", "0")
+    assert code == 2 and "--commit-every" in out and "ZeroDivisionError" not in out, out
+    code, out = _invoke("--store", str(where), "demo", "--steps", "3")
+    assert code == 2 and "--steps 3" in out and "--commit-every 20" in out, out
+    assert not where.exists()
+
+
+def test_db_current_on_a_missing_store_is_one_line(tmp_path: Path) -> None:
+    code, out = _invoke("--store", str(tmp_path / "nothing"), "db", "current")
+    assert code == 2 and out.strip().count("\n") == 0 and "Usage:" not in out, out
+    assert out.startswith("error: StoreConfigError: no ckstore store at"), out

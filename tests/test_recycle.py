@@ -340,7 +340,7 @@ def test_a_tmp_folder_replaced_by_a_link_is_neither_recycled_into_nor_swept(tmp_
     (outside / "old.part").write_bytes(b"o" * 1000)
     os.utime(outside / "old.part", (0, 0))
     blobs = LocalBlobStore(tmp_path / "b")
-    os.rmdir(Path(blobs.root) / "tmp")
+    os.makedirs(Path(blobs.root), exist_ok=True)
     os.symlink(outside, Path(blobs.root) / "tmp")
 
     assert blobs.recycled() == (0, 0) and blobs.stale_temp_files(time.time() + 60) == []

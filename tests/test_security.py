@@ -17,7 +17,7 @@ from services import S3Server
 
 import ckstore
 from ckstore.errors import CatalogError, StoreConfigError
-from ckstore.urls import check_no_secret, expand_stored, redact, scrub
+from ckstore.urls import check_no_secret, expand_given, expand_stored, redact, scrub
 
 SECRET = "hunter2-secret-value"
 
@@ -62,6 +62,81 @@ def test_redact_hides_query_secrets_and_keeps_the_rest() -> None:
     # not a URL SQLAlchemy parses (a bad port): masked by pattern instead of shown as given
     assert SECRET not in redact(f"postgresql://ck:{SECRET}@db:notaport/ck?password={SECRET}")
     assert scrub("s3://bucket/prefix is fine") == "s3://bucket/prefix is fine"
+
+
+def test_scrub_leaves_the_punctuation_after_a_url_as_it_was() -> None:
+    for before, after in (
+        (f"cannot open catalog postgresql+psycopg://ck:{SECRET}@db:5432/ck?connect_timeout=2: refused",
+         "cannot open catalog postgresql+psycopg://ck:***@db:5432/ck?connect_timeout=2: refused"),
+        (f"at postgresql://ck:{SECRET}@db/ck, then at postgresql://ck@db/ck?password={SECRET}.",
+         "at postgresql://ck:***@db/ck, then at postgresql://ck@db/ck?password=***."),
+        (f"see postgresql://ck@db/ck?sslpassword={SECRET}: no; s3://bucket/x, fine",
+         "see postgresql://ck@db/ck?sslpassword=***: no; s3://bucket/x, fine"),
+    ):  # fmt: skip
+        assert scrub(before) == after
+
+
+def test_a_given_url_whose_variable_holds_url_syntax_keeps_it_in_its_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--catalog 'postgresql+psycopg://ck:${PGPASSWORD}@host/db'`` with a password holding "@",
+    ":" and "/": the value lands in the password whole (it split the URL: part of it became the
+    host or port, and showed in errors)."""
+    from click.testing import CliRunner
+    from sqlalchemy.engine import make_url
+
+    from ckstore.cli import main
+
+    password = f"p@ss:w/{SECRET}"
+    monkeypatch.setenv("PGPASSWORD", password)
+    monkeypatch.setenv("CKSTORE_DB", "ck")
+    parsed = make_url(expand_given("postgresql+psycopg://ck:${PGPASSWORD}@db:5433/$CKSTORE_DB?options=-csearch_path%3Ds"))
+    assert (parsed.username, parsed.password, parsed.host, parsed.port, parsed.database) == ("ck", password, "db", 5433, "ck")
+    assert dict(parsed.query) == {"options": "-csearch_path=s"}
+    assert expand_given("postgresql+psycopg://ck@db/ck") == "postgresql+psycopg://ck@db/ck"  # nothing to expand
+    url = "postgresql+psycopg://ck:${PGPASSWORD}@127.0.0.1:1/ck?connect_timeout=2"
+    res = CliRunner().invoke(main, ["--store", str(tmp_path / "s"), "init", "--catalog", url])
+    assert res.exit_code == 2 and "CatalogError" in res.output and "127.0.0.1:1/ck" in res.output, res.output
+    assert "p@ss" not in res.output and SECRET not in res.output and "invalid literal" not in res.output, res.output
+
+
+def test_opening_an_existing_store_never_creates_its_catalog(tmp_path: Path) -> None:
+    """A store's config naming a catalog that is missing (or holds no ckstore schema) is refused,
+    naming both, and nothing is created there: on open with create=False or True, and on the CLI."""
+    import sqlite3
+
+    from click.testing import CliRunner
+
+    from ckstore.cli import main
+
+    store = tmp_path / "s"
+    elsewhere, foreign = tmp_path / "elsewhere.db", tmp_path / "foreign.db"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE notes (x)")
+    ckstore.init(store).close()
+    cfg = json.loads((store / "ckstore.json").read_text())
+    for target in (elsewhere, foreign):
+        (store / "ckstore.json").write_text(json.dumps({**cfg, "catalog": f"sqlite:///{target}"}))
+        for create in (False, True):
+            with pytest.raises(StoreConfigError, match="never creates its catalog") as e:
+                ckstore.open(store, create=create)
+            assert str(target) in str(e.value) and f"store {store} " in str(e.value)
+        res = CliRunner().invoke(main, ["--store", str(store), "runs"])
+        assert res.exit_code == 2 and str(target) in res.output and res.output.strip().count("\n") == 0, res.output
+    assert not elsewhere.exists()
+    with sqlite3.connect(foreign) as db:
+        assert db.execute("SELECT name FROM sqlite_master").fetchall() == [("notes",)]
+
+    # the store's own SQLite, lost: create=False refuses (pointing at recover) and makes nothing;
+    # create=True (the default) makes it afresh, as Store.recover needs
+    (store / "ckstore.json").write_text(json.dumps(cfg))
+    for p in store.glob("catalog.db*"):
+        p.unlink()
+    with pytest.raises(StoreConfigError, match="recover"):
+        ckstore.open(store, create=False)
+    assert not list(store.glob("catalog.db*"))
+    with ckstore.open(store) as s:
+        assert s.runs() == []
 
 
 def test_errors_of_an_unreachable_catalog_never_show_its_password(tmp_path: Path) -> None:

@@ -164,8 +164,7 @@ class LocalBlobStore(BlobStore):
         self.fsync = fsync
         #: the most bytes of released pack files kept in ``tmp/`` for later packs (0: unlink them)
         self.recycle_bytes = recycle_bytes
-        self._tmp = os.path.join(self.root, "tmp")
-        os.makedirs(self._tmp, exist_ok=True)
+        self._tmp = os.path.join(self.root, "tmp")  # made by the first write: reading makes nothing
         self._recycler = Recycler(self._tmp, self.stats)
 
     def _path(self, key: str) -> str:
@@ -178,7 +177,11 @@ class LocalBlobStore(BlobStore):
         under the name and starts over with a new one."""
         while True:
             tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.part")
-            f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed by the caller
+            try:
+                f = open(tmp, "xb", buffering=0)  # noqa: SIM115 - closed by the caller
+            except FileNotFoundError:  # this folder's first write (a link in its place: makedirs raises)
+                os.makedirs(self._tmp, exist_ok=True)
+                continue
             try:
                 if not lock(f.fileno(), wait=True):
                     self._recycler.locks = False

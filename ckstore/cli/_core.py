@@ -8,6 +8,7 @@ import click
 from rich.table import Table
 from rich.tree import Tree
 
+from ..urls import scrub
 from ._common import (
     Ctx,
     console,
@@ -51,10 +52,11 @@ def init(
     from ..urls import redact
 
     cfg = store.config
-    console.print(f"created store [bold]{esc(loc)}[/]")
+    shown = scrub(loc)  # a location may carry credentials (fsspec's user:password@)
+    console.print(f"created store [bold]{esc(shown)}[/]")
     console.print(f"  catalog     {esc(redact(cfg.catalog)) if cfg.catalog else 'sqlite (catalog.db in the store folder)'}")
     console.print(f"  chunk size  {human_bytes(cfg.chunk_size)}, packs of {human_bytes(cfg.pack_size)}")
-    console.print(f"use it with: ckstore --store {esc(loc)} log   or   ckstore.open({esc(repr(loc))}, run='NAME')")
+    console.print(f"use it with: ckstore --store {esc(shown)} log   or   ckstore.open({esc(repr(shown))}, run='NAME')")
 
 
 @click.command()
@@ -83,7 +85,7 @@ def runs(obj: Ctx, as_json: bool) -> None:
     if not items:
         console.print("no runs yet")
         return
-    table = Table(title=f"runs in {esc(store.location)}")
+    table = Table(title=f"runs in {esc(scrub(store.location))}")
     for col in ("run", "checkpoints", "latest step", "created", "forked from"):
         table.add_column(col, justify="right" if col in ("checkpoints", "latest step") else "left")
     for r in items:
@@ -96,7 +98,7 @@ def runs(obj: Ctx, as_json: bool) -> None:
 
 def log_table(store: Any, run: str | None, checkpoints: list[Any], extra: dict[int, dict[str, str]] | None = None) -> Table:
     metric_names = list(dict.fromkeys(k for c in checkpoints for k in c.metrics))
-    title = f"run {esc(run)}" if run else f"all runs in {esc(store.location)}"
+    title = f"run {esc(run)}" if run else f"all runs in {esc(scrub(store.location))}"
     table = Table(title=title)
     if not run:
         table.add_column("run")
@@ -124,7 +126,7 @@ def log_table(store: Any, run: str | None, checkpoints: list[Any], extra: dict[i
 @click.command()
 @click.argument("run", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--limit", "-n", type=int, help="Show only the last N checkpoints.")
+@click.option("--limit", "-n", type=click.IntRange(min=1), help="Show only the last N checkpoints.")
 @click.option("--changes", is_flag=True, help="Count the tensors changed since the previous checkpoint.")
 @pass_ctx
 @handle_errors
@@ -155,7 +157,7 @@ def log(obj: Ctx, run: str | None, as_json: bool, limit: int | None, changes: bo
 
 @click.command()
 @click.argument("ref", default="latest")
-@click.option("--rank", "ranks", type=int, multiple=True, help="Only these ranks (repeatable).")
+@click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True, help="Only these ranks (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_ctx
 @handle_errors
@@ -165,6 +167,14 @@ def show(obj: Ctx, ref: str, ranks: tuple[int, ...], as_json: bool) -> None:
 
     store = obj.open()
     ckpt = store.resolve(ref)
+    unknown = sorted(set(ranks) - set(ckpt.ranks))
+    if unknown:
+        from ..errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(
+            f"run {ckpt.run!r}, step {ckpt.step} was saved by ranks {list(ckpt.ranks)}, not {unknown}; "
+            "pass --rank with one of those (or none, for every rank)"
+        )
     mans = store.manifests(ckpt, ranks=ranks or None)
     if as_json:
         print_json(
@@ -239,13 +249,14 @@ def _unchecked_catalog(obj: Ctx) -> Any:
     """The store's catalog, opened without the schema check (which would refuse an old one)."""
     from ..blobstore import open_blobstore
     from ..catalog import Catalog
+    from ..errors import StoreConfigError
     from ..opening import catalog_url, read_config
 
     loc = obj.require_location()
     blobs = open_blobstore(loc)
     cfg = read_config(blobs)
     if cfg is None:
-        raise click.UsageError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
+        raise StoreConfigError(f"no ckstore store at {loc} (create one with `ckstore init {loc}`)")
     return Catalog(catalog_url(loc, blobs, cfg, obj.catalog), check=False)
 
 

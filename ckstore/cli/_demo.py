@@ -7,12 +7,13 @@ from typing import Any
 
 import click
 
+from ..urls import scrub
 from ._common import DEFAULT_STORE, Ctx, console, esc, handle_errors, pass_ctx
 
 
 @click.command()
-@click.option("--steps", type=int, default=240, show_default=True, help="Training steps of the first run.")
-@click.option("--commit-every", type=int, default=20, show_default=True, help="Commit every N steps.")
+@click.option("--steps", type=click.IntRange(min=1), default=240, show_default=True, help="Training steps of the first run.")
+@click.option("--commit-every", type=click.IntRange(min=1), default=20, show_default=True, help="Commit every N steps.")
 @click.option("--run", "run_name", default=None, help="Run name (default: demo-<time>).")
 @pass_ctx
 @handle_errors
@@ -21,6 +22,11 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
 
     The store is --store, or ./ckstore-demo when none is given.
     """
+    if steps < commit_every:  # no checkpoint to log, resume from or diff: refused before the store is made
+        raise click.UsageError(
+            f"--steps {steps} is fewer than --commit-every {commit_every}, so the demo would commit no "
+            "checkpoint; give --steps at least --commit-every"
+        )
     import torch
 
     import ckstore
@@ -36,7 +42,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     run_name = run_name or time.strftime("demo-%Y%m%d-%H%M%S")
     store = ckstore.open(location, catalog=obj.catalog, run=run_name)
     cfg = DemoConfig(steps=steps, commit_every=commit_every)
-    console.rule(f"[bold]1. training run {esc(run_name)}[/] into {esc(location)}")
+    console.rule(f"[bold]1. training run {esc(run_name)}[/] into {esc(scrub(location))}")
     trainer = Trainer(cfg)
 
     # commits are asynchronous: training goes on while the chunks are hashed, compressed and written
@@ -134,7 +140,7 @@ def demo(obj: Ctx, steps: int, commit_every: int, run_name: str | None) -> None:
     )
     best_after = store.resolve("min:val_loss")
     store.checkout(best_after.ref)  # every kept checkpoint still checks out, verified
-    console.print(f"\ndone. Explore with: ckstore --store {esc(location)} log {esc(run_name)}")
+    console.print(f"\ndone. Explore with: ckstore --store {esc(scrub(location))} log {esc(run_name)}")
 
 
 COMMANDS = [demo]

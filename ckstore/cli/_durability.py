@@ -109,21 +109,38 @@ def copy(obj: Ctx, refs: tuple[str, ...], dest: str, dest_catalog: str | None, r
     """
     import ckstore
 
-    from ..errors import StoreConfigError
+    from ..blobstore import open_blobstore
+    from ..opening import read_config
 
     if not refs and not run_name:
         raise click.UsageError("name checkpoints to copy (REF...) or a run (--run RUN)")
     src = obj.open()
-    try:
-        target = ckstore.open(dest, catalog=dest_catalog, create=False)
-    except StoreConfigError:
+    for ref in refs:  # what to copy is checked before a missing destination is made
+        src.resolve(ref)
+    if run_name:
+        src.catalog.require_run(run_name)
+    if read_config(open_blobstore(dest)) is not None:
+        with ckstore.open(dest, catalog=dest_catalog, create=False) as target, _copy_progress() as progress:
+            rep = src.copy(refs, target, run=run_name, progress=progress)
+    else:
+        made = _local_folder(dest)  # what is there before the copy makes the store
         cfg = src.config
-        target = ckstore.open(
-            dest, catalog=dest_catalog, chunk_size=cfg.chunk_size, pack_size=cfg.pack_size,
-            compression_level=cfg.compression_level,
-        )  # fmt: skip
-    with target, _copy_progress() as progress:
-        rep = src.copy(refs, target, run=run_name, progress=progress)
+        try:
+            target = ckstore.open(
+                dest, catalog=dest_catalog, chunk_size=cfg.chunk_size, pack_size=cfg.pack_size,
+                compression_level=cfg.compression_level,
+            )  # fmt: skip
+            with target, _copy_progress() as progress:
+                try:
+                    rep = src.copy(refs, target, run=run_name, progress=progress)
+                except BaseException:
+                    if _any_checkpoint(target):  # kept: copying again resumes
+                        made = None
+                    raise
+        except BaseException:
+            if made is not None:
+                _remove_made(*made)
+            raise
     if as_json:
         import dataclasses
 
@@ -138,6 +155,40 @@ def copy(obj: Ctx, refs: tuple[str, ...], dest: str, dest_catalog: str | None, r
     )
     for r in rep.lineage_lost:
         console.print(f"run {esc(r)} was forked from a checkpoint the destination lacks: copied without its origin")
+
+
+def _local_folder(location: str) -> tuple[str, set[str] | None] | None:
+    """A local destination's folder and the names already in it (None: no folder yet), for
+    :func:`_remove_made`; None for an object store, where a failed copy's store is left."""
+    from ..blobstore import is_local_url
+
+    if not is_local_url(location):
+        return None
+    path = location.removeprefix("file://")
+    return path, (set(os.listdir(path)) if os.path.isdir(path) else None)
+
+
+def _any_checkpoint(store: Any) -> bool:
+    try:
+        return bool(store.checkpoints())
+    except Exception:  # noqa: BLE001 - unreadable: keep what is there
+        return True
+
+
+def _remove_made(path: str, before: set[str] | None) -> None:
+    """Remove what a failed copy made at a local destination: the folder, or what it added to a
+    folder that was there (its new entries only)."""
+    import shutil
+
+    if before is None:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in set(os.listdir(path)) - before:
+        entry = os.path.join(path, name)
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            os.unlink(entry)
 
 
 def _copy_progress() -> Any:
