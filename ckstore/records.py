@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -36,6 +37,8 @@ class Checkpoint:
         return f"{self.run}@{self.step}"
 
     def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; a metric recorded as NaN (no value) is ``None``, so the text is strict
+        JSON, as in the checkpoint's record (``docs/format.md``)."""
         return {
             "run": self.run,
             "step": self.step,
@@ -45,7 +48,7 @@ class Checkpoint:
             "logical_bytes": self.logical_bytes,
             "stored_bytes_added": self.stored_bytes_added,
             "world_layout": self.world_layout.mesh,
-            "metrics": self.metrics,
+            "metrics": {k: v if math.isfinite(v) else None for k, v in self.metrics.items()},
             "tags": list(self.tags),
             "ranks": list(self.ranks),
             "sub_keys": list(self.sub_keys),

@@ -3,6 +3,10 @@
 ``latest``, a step number, a tag, ``min:METRIC`` or ``max:METRIC``, each optionally prefixed by
 ``RUN@``. A bare run name is not a ref on its own; commands that accept a run where a ref is
 expected say so.
+
+Run and tag names hold no ``@`` or ``:``, but a metric name may hold both: the ``RUN@`` prefix
+ends at the first ``@``, unless the ref starts with ``min:`` or ``max:`` (no run name does), so
+``min:val@loss`` and ``exp@min:val@loss`` both name metric ``val@loss``.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def parse_ref(ref: str | int | Ref) -> Ref:
         raise InvalidRefError(f"invalid ref {ref!r}: expected latest, a step, a tag, min:METRIC or max:METRIC")
     text = ref.strip()
     run: str | None = None
-    if "@" in text:
+    if "@" in text and not text.startswith(("min:", "max:")):
         run, _, text = text.partition("@")
         check_name("run", run)
         if not text:

@@ -418,3 +418,83 @@ def test_windows_stream_a_tensor_in_blocks_of_rows(
         assert st.changed == 60000 and st.rel_l2 == pytest.approx(want["rel_l2"], rel=1e-9)
         assert st.cosine == pytest.approx(want["cosine"], rel=1e-9)
         assert st.max_abs_diff == pytest.approx(want["max_abs_diff"], rel=1e-12)
+
+
+def test_a_container_that_changes_type_is_a_change(store: ckstore.Store) -> None:
+    store.commit(
+        1, {0: {"m": {"t": [1, 2], "d": {0: 5}, "x": {"k": 1}, "e": [], "same": (1, [2])}}}, run="c"
+    )
+    store.commit(
+        2, {0: {"m": {"t": (1, 2), "d": [5], "x": [1], "e": (), "same": (1, [2])}}}, run="c"
+    )
+    res = store.diff("c@1", "c@2")
+    assert res.differs
+    assert [(v.key, v.a, v.b) for v in res.values] == [
+        ("m/t", "<list>", "<tuple>"),  # the same items
+        ("m/d", "<dict>", "<list>"),  # the same item under the same key path
+        ("m/x", "<dict>", "<list>"),
+        ("m/e", [], []),  # empty containers were compared by type already
+    ]
+    # the items of a container are listed on their own, the container once
+    assert [x.key for x in res.only_in_a] == ["m/x/k"] and [x.key for x in res.only_in_b] == [
+        "m/x/0"
+    ]
+    # containers of the same type are no values of their own: equal items count, as before
+    assert res.values_equal == 5  # t/0, t/1, d/0, same/0, same/1/0
+    store.commit(3, {0: {"m": {"t": (1, 2, 3)}}}, run="c")
+    store.commit(4, {0: {"m": {"t": (1, 2)}}}, run="c")
+    grown = store.diff("c@4", "c@3")
+    assert not grown.values and [x.key for x in grown.only_in_b] == ["m/t/2"]
+
+
+def test_a_rank_gaining_or_losing_a_key_is_a_change(store: ckstore.Store) -> None:
+    def states(**extra_of_rank: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        return {r: {"m": {"w": torch.ones(2), **extra_of_rank.get(f"r{r}", {})}} for r in range(2)}
+
+    store.commit(1, states(r0={"v": 1}), run="g")  # v on rank 0 only
+    store.commit(2, states(r0={"v": 1}, r1={"v": 1}), run="g")  # now on both ranks, equal
+    res = store.diff("g@1", "g@2")
+    assert res.differs and not res.values
+    assert [(x.key, x.rank, x.value) for x in res.only_in_b] == [("m/v", 1, 1)]
+    back = store.diff("g@2", "g@1")
+    assert [(x.key, x.rank) for x in back.only_in_a] == [("m/v", 1)] and not back.only_in_b
+    # a tensor a rank gained, and a key added on one rank only
+    store.commit(3, states(r0={"v": 1}, r1={"v": 1, "t": torch.zeros(3)}), run="g")
+    res = store.diff("g@2", "g@3")
+    assert [(x.key, x.rank, x.kind) for x in res.only_in_b] == [("m/t", 1, "tensor")]
+    assert store.diff("g@2", "g@2").identical and res.values_equal == 1
+    # a rank the other checkpoint does not have lacks nothing: one rank grew to two, v on rank 0
+    store.commit(1, {0: {"m": {"w": torch.ones(2), "v": 1}}}, run="h")
+    store.commit(2, states(r0={"v": 1}), run="h")
+    assert store.diff("h@1", "h@2").identical and store.diff("h@2", "h@1").identical
+
+
+def test_large_int64_values_compare_exactly(store: ckstore.Store) -> None:
+    big = 2**60
+    top, bottom = 2**63 - 1, -(2**63)
+    u64 = torch.uint64
+    a = {"i": torch.tensor([big, 5, top]), "u": torch.tensor([7, 0], dtype=u64)}
+    b = {"i": torch.tensor([big + 1, 5, top]), "u": torch.tensor([7, 2**64 - 1], dtype=u64)}
+    store.commit(1, {0: {"m": a}}, run="i")
+    store.commit(2, {0: {"m": b}}, run="i")
+    store.commit(3, {0: {"m": {"i": torch.tensor([big, 5, bottom])}}}, run="i")
+    res = store.diff("i@1", "i@2", tolerance=0)
+    t = {d.key: d for d in res.tensors}
+    st = t["m/i"].stats
+    assert t["m/i"].status == "changed" and st is not None
+    assert (st.changed, st.max_abs_diff) == (1, 1.0)
+    u = t["m/u"].stats
+    assert t["m/u"].status == "changed" and u is not None and u.max_abs_diff == float(2**64 - 1)
+    assert store.diff("i@1", "i@2", key="m/i", tolerance=1).tensors[0].status == "close"
+    assert store.diff("i@1", "i@2", key="m/i", tolerance=0.5).tensors[0].status == "changed"
+    # the difference of int64 extremes does not wrap around: 2**64 - 1 apart
+    (w,) = store.diff("i@1", "i@3", tolerance=2.0**63).tensors
+    assert (
+        w.status == "changed" and w.stats is not None and w.stats.max_abs_diff == float(2**64 - 1)
+    )
+    assert store.diff("i@1", "i@3", tolerance=2.0**64).tensors[0].status == "close"
+    # a difference float64 rounds down is decided exactly: 2**53 + 1 is beyond a tolerance of 2**53
+    store.commit(4, {0: {"m": {"j": torch.tensor([0, 2**53 + 1])}}}, run="i")
+    store.commit(5, {0: {"m": {"j": torch.tensor([0, 0])}}}, run="i")
+    assert store.diff("i@4", "i@5", tolerance=2.0**53).tensors[0].status == "changed"
+    assert store.diff("i@4", "i@5", tolerance=2.0**53 + 2).tensors[0].status == "close"

@@ -168,3 +168,28 @@ def test_diff_in_a_subprocess(tmp_path: Path) -> None:
     assert [t["key"] for t in json.loads(proc.stdout)["tensors"] if t["status"] == "changed"] == [
         "model_states/adapter.weight"
     ]
+
+
+def test_json_of_a_metric_with_no_value_is_strict(tmp_path: Path) -> None:
+    """A metric recorded as NaN (no value) is null in diff, log and show --json, as in the record."""
+    loc = str(tmp_path / "s")
+    s = ckstore.open(loc, run="n")
+    s.commit(1, {0: {"m": {"w": torch.ones(2)}}}, {"loss": float("nan"), "acc": 0.5})
+    s.commit(2, {0: {"m": {"w": torch.zeros(2)}}}, {"loss": 1.0})
+    s.close()
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    code, out = _run("--store", loc, "diff", "--json", "n@1", "n@2")
+    doc = json.loads(out, parse_constant=refuse)
+    assert code == 1 and doc["a"]["metrics"] == {"acc": 0.5, "loss": None}
+    assert doc["metrics"]["loss"] == {"a": None, "b": 1.0}
+    code, out = _run("--store", loc, "log", "--json", "n")
+    rows = json.loads(out, parse_constant=refuse)
+    assert code == 0 and {r["step"]: r["metrics"]["loss"] for r in rows} == {1: None, 2: 1.0}
+    code, out = _run("--store", loc, "show", "--json", "n@1")
+    assert (
+        code == 0
+        and json.loads(out, parse_constant=refuse)["checkpoint"]["metrics"]["loss"] is None
+    )

@@ -83,3 +83,21 @@ def test_deleted_fork_point_stays_as_history(store: ckstore.Store) -> None:
     assert store.commit(1, _w(1.0), run="ft").parent is None
     (anc,) = store.lineage("ft")
     assert anc.ref == "base@10" and anc.checkpoint is None
+
+
+def test_runs_named_by_digits_are_runs_in_diff_and_fork(store: ckstore.Store) -> None:
+    """A bare name is a run when a run of that name exists, digits included; else a ref."""
+    store.commit(5, _w(1.0), run="2024")
+    store.commit(6, _w(2.0), run="2025")
+    store.commit(2024, _w(3.0))  # the default run, exp, has a step 2024 too
+    store.commit(2026, _w(3.0))
+    res = store.diff("2024", "2025")
+    assert (res.a.ref, res.b.ref) == ("2024@5", "2025@6") and res.differs
+    assert store.fork("2024", "ft").ref == "2024@5"
+    assert store.commit(1, _w(1.0), run="ft").parent == "2024@5"
+    # no run of that name: a step of the default run, as before; an int is always a step
+    assert store.diff("exp@2024", "2026").b.ref == "exp@2026"
+    assert store.diff(2024, "exp@2024").a.ref == "exp@2024"
+    assert store.diff("exp@2024", "2025").b.ref == "2025@6"
+    with pytest.raises(CheckpointNotFoundError):
+        store.diff("2024", "7")  # no run 7, no step 7 of exp

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
+import torch
+from click.testing import CliRunner
 
+import ckstore
+from ckstore.cli import main
 from ckstore.errors import PolicyError
 from ckstore.maintenance.gc import Candidate
 from ckstore.retention import (
@@ -145,6 +150,27 @@ def test_flags_build_the_union() -> None:
     assert policy_from_flags(keep_last=3) == LatestN(3)
     assert policy_from_flags() is None
     assert policy_from_flags(keep_best=["2:loss"]) == BestN(2, "loss", "min")
+
+
+def test_keep_best_names_a_metric_holding_colons(tmp_path: Path) -> None:
+    """K is read up to the first ':' and the mode after the last, so the metric is the middle."""
+    assert policy_from_flags(keep_best=["1:val:loss:min"]) == BestN(1, "val:loss", "min")
+    assert policy_from_flags(keep_best=["2:a:b:c:max"]) == BestN(2, "a:b:c", "max")
+    assert policy_from_flags(keep_best=["2:val_loss:max"]) == BestN(2, "val_loss", "max")
+    with pytest.raises(PolicyError, match="1:val:loss:min"):  # ambiguous: the mode must be written
+        policy_from_flags(keep_best=["1:val:loss"])
+    with pytest.raises(PolicyError, match="K:METRIC"):
+        policy_from_flags(keep_best=["1::min"])
+
+    store = ckstore.open(tmp_path / "store", run="r", chunk_size=64 * 1024)
+    for step, loss in ((1, 0.3), (2, 0.1), (3, 0.5), (4, 0.4)):
+        store.commit(step, {0: {"m": {"w": torch.full((4,), float(step))}}}, {"val:loss": loss})
+    res = CliRunner().invoke(
+        main, ["--store", str(tmp_path / "store"), "gc", "--keep-best", "1:val:loss:min"]
+    )
+    assert res.exit_code == 0, res.output
+    assert [c.step for c in store.checkpoints(run="r")] == [2, 4]  # the best, and the latest
+    store.close()
 
 
 @pytest.mark.parametrize(

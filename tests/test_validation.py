@@ -263,6 +263,22 @@ def test_metric_names_in_refs_are_checked(vstore: ckstore.Store) -> None:
     assert vstore.resolve("min:loss").step == 1
 
 
+def test_metric_names_holding_at_signs_resolve_with_and_without_a_run(vstore: ckstore.Store) -> None:
+    vstore.commit(2, states(), {"val@loss": 0.5, "a:b@c": 3.0})
+    vstore.commit(3, states(), {"val@loss": 0.7, "a:b@c": 1.0})
+    assert (parse_ref("min:val@loss").run, parse_ref("min:val@loss").value) == (None, "val@loss")
+    assert vstore.resolve("min:val@loss").step == 2  # the default run's
+    assert vstore.resolve("exp@min:val@loss").step == 2
+    assert vstore.resolve("max:a:b@c").step == 2 and vstore.resolve("exp@min:a:b@c").step == 3
+    assert vstore.resolve(str(parse_ref("exp@max:val@loss"))).step == 3  # a ref's text reads back
+
+
+def test_an_empty_kind_is_refused(vstore: ckstore.Store) -> None:
+    msg = refused(vstore, InvalidRefError, "kind must not be empty", lambda: vstore.commit(2, states(), kind=""))
+    assert "'checkpoint'" in msg
+    assert vstore.commit(2, states()).kind == "checkpoint"
+
+
 def test_names_may_not_end_in_a_newline(vstore: ckstore.Store) -> None:
     refused(vstore, InvalidRefError, "invalid run name", lambda: vstore.commit(2, states(), run="exp\n"))
     refused(vstore, InvalidRefError, "invalid tag name", lambda: vstore.commit(2, states(), tags=["t\n"]))

@@ -37,7 +37,8 @@ def rule_options(fn: F) -> F:
     opts = [
         click.option("--keep-last", type=click.IntRange(min=0), metavar="N", help="Keep the N latest steps."),
         click.option("--keep-best", multiple=True, metavar="K:METRIC:min|max",
-                     help="Keep the K best by METRIC (repeatable), e.g. 3:val_loss:min."),
+                     help="Keep the K best by METRIC (repeatable), e.g. 3:val_loss:min; a METRIC holding ':' "
+                          "needs the mode, as in 1:val:loss:min."),
         click.option("--keep-every", type=click.IntRange(min=1), metavar="N", help="Keep every step divisible by N."),
         click.option("--keep-within", metavar="DURATION", help="Keep checkpoints committed within DURATION (7d, 12h, 90m)."),
         click.option("--keep-tagged", is_flag=True, help="Keep every tagged checkpoint."),

@@ -42,8 +42,12 @@ def check_arguments(
         raise StoreConfigError(f"step must be a non-negative int below 2**63, got {shown}")
     if not isinstance(kind, str):
         raise InvalidRefError(f"kind must be a string, got {type(kind).__name__}")
-    if kind:
-        check_name("kind", kind, MAX_KIND)
+    if not kind:
+        raise InvalidRefError(
+            "kind must not be empty: retention rules select checkpoints by kind; leave kind out for "
+            "the default 'checkpoint', or name one such as 'recovery'"
+        )
+    check_name("kind", kind, MAX_KIND)
     if isinstance(tags, (str, bytes)) or not isinstance(tags, Iterable):
         raise InvalidRefError(
             f"tags must be a list of tag names, got {type(tags).__name__} {tags!r}"

@@ -47,7 +47,8 @@ def commit_frames(
     """Commit checkpoint ``step`` of ``run`` from manifests ``entries`` (``(rank, sub_key,
     manifest bytes, logical bytes)``) whose chunks are ``digests``; only the chunks this store
     lacks are fetched (``on_claimed(missing)`` hears which, before any is)."""
-    args = check_arguments(run, step, dict(metrics), list(tags), kind)
+    # a checkpoint committed before empty kinds were refused copies as the default kind
+    args = check_arguments(run, step, dict(metrics), list(tags), kind or "checkpoint")
     cfg, catalog, owner = ctx.config, ctx.catalog, Owner.me()
     ckpt_id = catalog.begin_checkpoint(
         args.run, args.step, kind=args.kind, replace=False, owner=owner, world_layout=world_layout,

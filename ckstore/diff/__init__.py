@@ -10,7 +10,8 @@ because the norms and the cosine need every element.
 Sharded tensors are compared as global tensors: pieces saved by different world layouts are
 cut to the same window before comparing, and two checkpoints whose global tensors are equal
 diff as identical whatever layouts wrote them. A tensor saved unsharded and the same on every
-rank (a replica) counts once; one that differs between ranks is compared rank by rank.
+rank (a replica) counts once; one that differs between ranks, or that some ranks lack, is
+compared rank by rank. A dict, list or tuple that changed type is a changed value.
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ class DiffResult:
         return sum(t.read_bytes for t in self.tensors)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (strict JSON: non-finite floats are the strings "nan", "inf")."""
+        """A JSON-ready dict (strict JSON: non-finite statistics and values are the strings "nan",
+        "inf", "-inf"; a metric with no value, NaN, is None)."""
         return {
             "a": {"ref": self.a.ref, **self.a.to_json()},
             "b": {"ref": self.b.ref, **self.b.to_json()},
@@ -261,7 +263,7 @@ class DiffResult:
             },
             "options": {"stats": self.stats, "tolerance": self.tolerance, **self.options},
             "metrics": {
-                k: {"a": _opt_num(va), "b": _opt_num(vb)} for k, (va, vb) in self.metrics.items()
+                k: {"a": _metric(va), "b": _metric(vb)} for k, (va, vb) in self.metrics.items()
             },
             "sharing": self.sharing.to_json(),
             "only_in_a": [x.to_json() for x in self.only_in_a],
@@ -271,8 +273,9 @@ class DiffResult:
         }
 
 
-def _opt_num(x: float | None) -> float | str | None:
-    return None if x is None else _num(x)
+def _metric(x: float | None) -> float | None:
+    """A metric for JSON: NaN records no value, so it is None, as in ``Checkpoint.to_json``."""
+    return None if x is None or not math.isfinite(x) else x
 
 
 def _jsonable(x: Any) -> Any:
@@ -291,6 +294,10 @@ def _info(key: str, rank: int | None, leaf: Leaf) -> LeafInfo:
     if isinstance(leaf, ValueLeaf):
         return LeafInfo(key, rank, "value", value=decode(leaf.node))
     return LeafInfo(key, rank, "tensor", leaf.dtype, leaf.shape, leaf.nbytes)
+
+
+def _items_apart(leaf: Leaf) -> bool:
+    return isinstance(leaf, ValueLeaf) and leaf.items_apart
 
 
 def _describe(leaf: Leaf) -> Any:
@@ -353,7 +360,7 @@ def _compare_tensor(
     st = TensorStats(**acc.result()) if stats else None
     if same_dtype and acc.bits_equal:
         status = IDENTICAL
-    elif same_dtype and st is not None and tolerance is not None and st.max_abs_diff <= tolerance:
+    elif same_dtype and st is not None and tolerance is not None and acc.within(tolerance):
         status = CLOSE
     else:
         status = CHANGED
@@ -431,14 +438,25 @@ def _compare(
     values_equal = 0
     for k in dict.fromkeys([*sa.leaves, *sb.leaves]):
         name = f"{k[0]}/{k[1]}"
-        for rank, la, lb in pairs(sa.leaves.get(k, {}), sb.leaves.get(k, {})):
+        ranks_a, ranks_b = sa.ranks.get(k[0], ()), sb.ranks.get(k[0], ())
+        for rank, la, lb in pairs(sa.leaves.get(k, {}), sb.leaves.get(k, {}), ranks_a, ranks_b):
             if lb is None:
                 assert la is not None
-                only_a.append(_info(name, rank, la))
+                if not _items_apart(la):  # a container's items are listed on their own
+                    only_a.append(_info(name, rank, la))
             elif la is None:
-                only_b.append(_info(name, rank, lb))
+                if not _items_apart(lb):
+                    only_b.append(_info(name, rank, lb))
             elif isinstance(la, TensorLeaf) and isinstance(lb, TensorLeaf):
                 tensors.append(_compare_tensor(name, rank, la, lb, reader, stats, tolerance))
+            elif (
+                isinstance(la, ValueLeaf)
+                and isinstance(lb, ValueLeaf)
+                and la.container
+                and (la.items_apart or lb.items_apart)
+            ):
+                if la.container != lb.container:  # the type of a container with items changed
+                    values.append(ValueDiff(name, rank, _describe(la), _describe(lb)))
             elif isinstance(la, ValueLeaf) and isinstance(lb, ValueLeaf) and la.text == lb.text:
                 values_equal += 1
             else:

@@ -1,8 +1,12 @@
 """The leaves of one side of a diff, and reading the same window of two global tensors.
 
 A side maps each ``(sub_key, path)`` to its leaf per rank: ``{None: leaf}`` when the leaf is a
-sharded tensor (its deduplicated pieces make one global tensor) or is the same on every rank,
-else ``{rank: leaf}``.
+sharded tensor (its deduplicated pieces make one global tensor) or is the same on every rank that
+holds the sub-checkpoint, else ``{rank: leaf}`` (so a key some ranks lack is kept rank by rank).
+
+Every dict, list and tuple is a leaf too: an empty one as its value, a non-empty one as its type
+alone (its items are leaves of their own), so a list that became a tuple, or a dict that became a
+list, is a change even when every item is the same.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ import base64
 import fnmatch
 import json
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkout.reshard import StoredPiece, plan_boxes
@@ -64,10 +68,22 @@ class TensorLeaf:
 
 @dataclass(frozen=True, slots=True)
 class ValueLeaf:
-    """A plain value (or an empty container), as its encoded manifest node."""
+    """A plain value (or an empty container), as its encoded manifest node; or the type of a
+    non-empty container, as its tag alone (``["d"]``, ``["l"]``, ``["t"]``)."""
 
     node: Any
     text: str  # the node as canonical JSON, for comparing by value and type
+
+    @property
+    def container(self) -> str | None:
+        """The tag of a dict, list or tuple (empty or not); None for any other value."""
+        tag = self.node[0]
+        return tag if tag in tree_format.CONTAINER_TAGS else None
+
+    @property
+    def items_apart(self) -> bool:
+        """Whether this is a non-empty container, whose items are leaves of their own."""
+        return len(self.node) == 1 and self.container is not None
 
 
 Leaf = TensorLeaf | ValueLeaf
@@ -80,12 +96,16 @@ class Side:
     ckpt: Checkpoint
     leaves: dict[tuple[str, str], dict[int | None, Leaf]]
     chunks: dict[bytes, int]  # digest -> raw size, of every compared tensor
+    ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # sub_key -> ranks holding it
 
 
 def _walk(tree: Any, where: str) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """``(keys, node)`` for every leaf of an encoded tree: tensor refs, values, empty containers."""
+    """``(keys, node)`` for every leaf of an encoded tree: tensor refs, values, empty containers,
+    and the type of every non-empty container (as ``[tag]``)."""
     for keys, tag, node in tree_format.nodes(tree, where):
-        if tag not in tree_format.CONTAINER_TAGS or not node[1]:
+        if tag in tree_format.CONTAINER_TAGS and node[1]:
+            yield keys, [tag]
+        else:
             yield keys, node
 
 
@@ -100,6 +120,8 @@ def decode(node: Any) -> Any:
         return base64.b64decode(node[1])
     if tag == "P":
         return "<pickled object>"
+    if len(node) == 1 and tag in tree_format.CONTAINER_TAGS:
+        return {"d": "<dict>", "l": "<list>", "t": "<tuple>"}[tag]
     return {"d": {}, "l": [], "t": []}.get(tag, f"<{tag}>")
 
 
@@ -125,7 +147,9 @@ def read_side(
     chunks: dict[bytes, int] = {}
     sizes: dict[str, int] = {}
     order: dict[tuple[str, str], None] = {}
+    ranks: dict[str, set[int]] = {}  # sub_key -> the ranks that hold it
     for (rank, sub_key), man in sorted(mans.items()):
+        ranks.setdefault(sub_key, set()).add(rank)
         for keys, node in _walk(man.tree, f"{where}, rank {rank}, {sub_key}: "):
             path = format_path(keys)
             if not _matches(pattern, sub_key, path):
@@ -161,11 +185,11 @@ def read_side(
             continue
         by_rank = plain[k]
         first = next(iter(by_rank.values()))
-        if all(_same_leaf(first, v) for v in by_rank.values()):
+        if set(by_rank) == ranks[k[0]] and all(_same_leaf(first, v) for v in by_rank.values()):
             leaves[k] = {None: first}
         else:
             leaves[k] = dict(by_rank)
-    return Side(ckpt, leaves, chunks)
+    return Side(ckpt, leaves, chunks, {sk: tuple(sorted(rs)) for sk, rs in ranks.items()})
 
 
 def _same_leaf(x: Leaf, y: Leaf) -> bool:
@@ -175,24 +199,35 @@ def _same_leaf(x: Leaf, y: Leaf) -> bool:
 
 
 def pairs(
-    am: Mapping[int | None, Leaf], bm: Mapping[int | None, Leaf]
+    am: Mapping[int | None, Leaf],
+    bm: Mapping[int | None, Leaf],
+    ranks_a: Iterable[int] = (),
+    ranks_b: Iterable[int] = (),
 ) -> Iterator[tuple[int | None, Leaf | None, Leaf | None]]:
-    """``(rank, leaf of a, leaf of b)`` to compare for one key; a leaf that is the same on every
-    rank is compared with each rank's leaf of the other side, and a missing one is None."""
+    """``(rank, leaf of a, leaf of b)`` to compare for one key; a missing leaf is None.
+
+    A leaf that is the same on every rank is compared with each rank's leaf of the other side,
+    and with its absence on each rank that holds the key's sub-checkpoint on both sides
+    (``ranks_a``, ``ranks_b``): a rank that gained or lost the key has a leaf one side lacks."""
+    both = set(ranks_a) & set(ranks_b)
     if not am or not bm:
         for r, v in (am or bm).items():
             yield (r, v, None) if am else (r, None, v)
     elif None in am and None in bm:
         yield None, am[None], bm[None]
     elif None in am:
-        for r, v in bm.items():
-            yield r, am[None], v
+        for r in sorted({*bm, *both}, key=_rank_order):
+            yield r, am[None], bm.get(r)
     elif None in bm:
-        for r, v in am.items():
-            yield r, v, bm[None]
+        for r in sorted({*am, *both}, key=_rank_order):
+            yield r, am.get(r), bm[None]
     else:
-        for r in sorted(set(am) | set(bm), key=lambda x: -1 if x is None else x):
+        for r in sorted(set(am) | set(bm), key=_rank_order):
             yield r, am.get(r), bm.get(r)
+
+
+def _rank_order(r: int | None) -> int:
+    return -1 if r is None else r
 
 
 def _windows(shape: tuple[int, ...], elems: int) -> Iterator[tuple[tuple[int, int], ...]]:

@@ -1,7 +1,10 @@
 """The torch-touching half of diffs: streaming comparison statistics over windows of two tensors.
 
 Windows of the same global tensor are fed in order; sums are kept in float64 (complex128 for
-complex tensors), so the result matches computing on the whole tensors up to rounding.
+complex tensors), so the result matches computing on the whole tensors up to rounding. Integer
+tensors of one dtype are also compared exactly: which elements differ and the largest difference
+are computed in integer arithmetic (float64 cannot tell 2**53 from 2**53 + 1), and
+:meth:`Accumulator.within` decides a tolerance from that exact difference.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Accumulator:
         self.ss_b = 0.0
         self.ss_d = 0.0
         self.dot = 0.0
+        self.max_abs_exact: int | None = None  # integer tensors of one dtype: the exact max |b - a|
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Compare one window; ``a`` and ``b`` hold the same elements of the two tensors."""
@@ -66,6 +70,9 @@ class Accumulator:
             self.changed += n - int(eq.sum())
         elif a.dtype == b.dtype and not (a.is_floating_point() or a.is_complex()):
             self.changed += int(torch.count_nonzero(a != b))  # integers past 2**53 stay exact
+            exact = _int_abs_diff(a.reshape(-1).numpy(), b.reshape(-1).numpy())
+            self.max_abs_exact = max(self.max_abs_exact or 0, int(exact.max()))
+            d = torch.from_numpy(exact.astype(np.float64))
         else:
             self.changed += int(torch.count_nonzero(d))
         ad = d.abs()
@@ -77,6 +84,12 @@ class Accumulator:
         self.ss_a += _dot(x, x)
         self.ss_b += _dot(y, y)
         self.dot += _dot(x, y)
+
+    def within(self, tolerance: float) -> bool:
+        """Whether no element of ``b`` is further than ``tolerance`` from ``a``: decided on the
+        exact difference for integer tensors (an int and a float compare exactly in Python)."""
+        biggest = self.max_abs_exact if self.max_abs_exact is not None else self.max_abs
+        return biggest <= tolerance
 
     def result(self) -> dict[str, Any]:
         """The statistics as keyword arguments of :class:`ckstore.diff.TensorStats`."""
@@ -97,6 +110,16 @@ class Accumulator:
             "norm_a": na,
             "norm_b": nb,
         }
+
+
+def _int_abs_diff(x: Any, y: Any) -> Any:
+    """``|y - x|`` of two integer (or bool) numpy arrays of one dtype, exactly, as uint64: the
+    larger minus the smaller, which wraps modulo 2**64 to the true difference (below 2**64)."""
+    import numpy as np
+
+    wide = np.uint64 if x.dtype.kind == "u" else np.int64
+    x, y = x.astype(wide), y.astype(wide)
+    return np.maximum(x, y).astype(np.uint64) - np.minimum(x, y).astype(np.uint64)
 
 
 def _dot(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -34,16 +34,19 @@ class Ancestor:
 def resolve_ref_or_run(store: StoreView, ref: str | int | Checkpoint) -> Checkpoint:
     """The checkpoint ``ref`` names; a bare run name (no ``@``) names that run's latest checkpoint.
 
-    A bare name is read as a run when a run of that name exists, else as a ref (a tag of the
-    store's default run, say); write ``RUN@TAG`` to name a tag that shares a run's name.
+    A bare name is read as a run when a run of that name exists, else as a ref (a tag, or a step
+    of the store's default run, say); write ``RUN@TAG`` or ``RUN@STEP`` to name a tag or a step
+    that shares a run's name. An int is always a step.
     """
     if isinstance(ref, Checkpoint):
         return ref
     text = ref.strip() if isinstance(ref, str) else ""
-    if not text or "@" in text or ":" in text or text == "latest" or text.isdigit():
+    if not text or "@" in text or ":" in text or text == "latest":
         return store.resolve(ref)
-    if store.catalog.run_origin(text) is not None:
+    if store.catalog.run_origin(text) is not None:  # a run named by digits too: not a step
         return store.resolve("latest", run=text)
+    if text.isdigit():
+        return store.resolve(ref)
     try:
         return store.resolve(ref)
     except NotFoundError as e:

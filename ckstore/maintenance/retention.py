@@ -453,14 +453,23 @@ def format_duration(seconds: float) -> str:
 
 
 def _parse_best(spec: str) -> BestN:
-    parts = spec.split(":")
-    if len(parts) == 2:
-        parts.append("min")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1]:
+    """``K:METRIC:min|max`` (or ``K:METRIC``, for min). K is read up to the first ``:`` and the
+    mode after the last, so a metric name may hold ``:`` (``1:val:loss:min``) when the mode is
+    written out."""
+    count, _, rest = spec.partition(":")
+    metric, sep, mode = rest.rpartition(":")
+    if not sep:
+        metric, mode = rest, "min"
+    if not count.isdigit() or not metric:
         raise PolicyError(
             f"invalid --keep-best {spec!r}: expected K:METRIC:min|max, e.g. 3:val_loss:min"
         )
-    return BestN(int(parts[0]), parts[1], parts[2])
+    if mode not in ("min", "max"):
+        raise PolicyError(
+            f"invalid --keep-best {spec!r}: the mode must be 'min' or 'max', got {mode!r}; a metric "
+            f"name holding ':' needs the mode written out, as in {count}:{rest}:min"
+        )
+    return BestN(int(count), metric, mode)
 
 
 def _parse_kind(spec: str) -> ByKind:
