@@ -440,7 +440,7 @@ class Store:
         """:meth:`load`; ``rows``: what :meth:`checkout` read of the catalog already."""
         import dataclasses
 
-        from .checkout.executor import allocate_targets, execute_plan
+        from .checkout.executor import allocate_targets, execute_plan, locate_plan
         from .checkout.reshard import plan_checkout
         from .format.tensorio import dtype_from_name, itemsize, to_device
 
@@ -473,17 +473,20 @@ class Store:
             locate = partial(_known_locations, rows.locations, self.catalog.chunk_locations)
         elif rank_list is None and sub_keys is None:  # every chunk of the checkpoint: one query
             locate = partial(self.catalog.chunk_locations, checkpoint_id=ckpt.id)
-        tensors = allocate_targets(plan, pin_memory=accel is not None and accel.type == "cuda")
         out: dict[int, dict[str, Any]] | None = None
-        if accel is None:
-            # the state dicts around the tensors the reads then fill: the manifests' trees go
-            # before the reads (100,000 tensors: ~35 MiB of lists at the checkout's peak), and a
-            # tree refused (a pickle without allow_pickle) is refused before anything is read
-            out = _assemble(plan, tensors, allow_pickle, where)
-            plan = dataclasses.replace(plan, entries=())
         try:
+            # the chunks' locations, checked against the manifests, before anything is allocated
+            locs = locate_plan(plan, locate, where)
+            tensors = allocate_targets(plan, pin_memory=accel is not None and accel.type == "cuda", where=where)
+            if accel is None:
+                # the state dicts around the tensors the reads then fill: the manifests' trees go
+                # before the reads (100,000 tensors: ~35 MiB of lists at the checkout's peak), and a
+                # tree refused (a pickle without allow_pickle) is refused before anything is read
+                out = _assemble(plan, tensors, allow_pickle, where)
+                plan = dataclasses.replace(plan, entries=())
             tensors = execute_plan(
                 plan, self.blobs, locate, where=where, workers=self.workers, progress=tick, tensors=tensors,
+                locs=locs,
             )  # fmt: skip
         except ChunkNotFoundError as e:
             try:

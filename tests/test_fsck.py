@@ -179,3 +179,91 @@ def test_repair_removes_only_orphans_and_abandoned_commits(
     assert filled.fsck(deep=True).ok
     for step in (1, 2, 3):
         filled.checkout(step)
+
+
+# -- catalog rows and pack indexes damaged outside ckstore -----------------------------------------
+
+
+def _db(store_path: Path) -> Path:
+    return store_path / "catalog.db"
+
+
+def test_a_deep_check_refuses_a_negative_offset_that_reads_back_the_right_frame(
+    filled: ckstore.Store, store_path: Path
+) -> None:
+    """An offset counted back from the pack's end slices out the very frame, which decodes and
+    matches its digest: only the bounds checkout applies tell it is damage."""
+    loc = pack_of(filled, "exp@1", 1, "model_states", "layer.w")
+    size = (store_path / loc.pack_key).stat().st_size
+    n = catalog_tools.execute(
+        _db(store_path), "UPDATE chunks SET offset = :neg WHERE offset = :offset AND pack_id = (SELECT id FROM packs WHERE key = :key)",
+        neg=loc.offset - size, offset=loc.offset, key=loc.pack_key,
+    )  # fmt: skip
+    assert n == 1
+    rep = filled.fsck(deep=True)
+    assert "exp@1" in rep.damaged_checkpoints
+    assert any(f"at byte {loc.offset - size} of pack {loc.pack_key}" in d.problem for d in rep.damage)
+    with pytest.raises(ckstore.IntegrityError, match=f"at byte {loc.offset - size}"):
+        filled.checkout(1)
+
+
+def test_a_damaged_world_layout_row_is_reported(filled: ckstore.Store, store_path: Path) -> None:
+    assert catalog_tools.execute(_db(store_path), "UPDATE checkpoints SET world_layout = '{not json' WHERE step = 2") == 1
+    rep = filled.fsck()
+    assert rep.damaged_checkpoints == ["exp@2"]
+    assert "world layout" in rep.damage[0].problem and rep.damage[0].describe().startswith("exp@2: ")
+    res = CliRunner().invoke(main, ["--store", str(store_path), "fsck"])
+    assert res.exit_code == 1 and "exp@2" in res.output and "world layout" in res.output
+
+
+@pytest.mark.parametrize("key", ["../../etc/passwd", "packs/../../x", "", "ckstore.json"])
+def test_a_malformed_pack_key_is_damage_and_the_check_goes_on(filled: ckstore.Store, store_path: Path, key: str) -> None:
+    """A pack key the blob store refuses (it stopped fsck with a BlobStoreError), or one outside
+    packs/ that checkout never reads (fsck called it intact), is damage of every chunk in it;
+    the other packs are still checked."""
+    victim = pack_of(filled, "exp@2", 1, "model_states", "layer.w").pack_key
+    assert catalog_tools.execute(_db(store_path), "UPDATE packs SET key = :key WHERE key = :old", key=key, old=victim) == 1
+    flipped = pack_of(filled, "exp@3", 0, "optim_states", "exp_avg")
+    assert flipped.pack_key != victim
+    with open(store_path / flipped.pack_key, "r+b") as f:
+        f.seek(flipped.offset + flipped.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    for deep in (False, True):
+        rep = filled.fsck(deep=deep)
+        assert "exp@2" in rep.damaged_checkpoints
+        assert any(repr(key) in d.problem and d.ref == "exp@2" for d in rep.damage)
+        assert ("exp@3" in rep.damaged_checkpoints) == deep  # the corrupt byte elsewhere is still found
+
+
+def _index_entry_at(data: bytes, i: int) -> int:
+    count = int.from_bytes(data[-8:-4], "little")
+    return len(data) - 8 - 32 * count + 32 * i
+
+
+@pytest.mark.parametrize("damage", ["header magic", "footer magic", "index digest", "index offset"])
+def test_a_deep_check_compares_the_pack_index_with_the_catalog(
+    filled: ckstore.Store, store_path: Path, damage: str
+) -> None:
+    """Every frame still decodes and matches its digest: only the pack's header and index, which
+    ``ckstore recover`` rebuilds a catalog from, are damaged."""
+    loc = pack_of(filled, "exp@1", 0, "optim_states", "exp_avg")
+    p = store_path / loc.pack_key
+    data = bytearray(p.read_bytes())
+    if damage == "header magic":
+        data[:4] = b"XXXX"
+    elif damage == "footer magic":
+        data[-1:] = b"X"
+    elif damage == "index digest":
+        data[_index_entry_at(bytes(data), 0)] ^= 0xFF
+    else:  # entry 0's offset one byte further (still within the frames)
+        at = _index_entry_at(bytes(data), 0) + 16
+        data[at : at + 8] = (int.from_bytes(data[at : at + 8], "little") + 1).to_bytes(8, "little")
+    p.write_bytes(bytes(data))
+    assert filled.fsck().ok  # sizes are right: only reading the pack finds it
+    for step in (1, 2, 3):
+        filled.checkout(step)  # the frames are intact
+    rep = filled.fsck(deep=True)
+    assert not rep.ok and "exp@1" in rep.damaged_checkpoints
+    assert all(d.pack == loc.pack_key and "index" in d.problem for d in rep.damage)

@@ -150,6 +150,49 @@ def test_pack_key_outside_packs_is_never_read(hs: tuple[ckstore.Store, Hostile],
     assert_refused(store, tmp_path, "'ckstore.json'", only=("checkout",), fsck=False)
 
 
+#: a 128 TiB tensor: more than any process can map (x86-64 gives a process 128 TiB of addresses)
+_HUGE = 1 << 47
+
+
+def _huge_w(h: Hostile, raw_size_in_catalog: bool) -> None:
+    """Make ``w`` of step 1 a uint8 tensor of :data:`_HUGE` bytes in chunks of 1 GiB, all its first
+    chunk; with ``raw_size_in_catalog`` the chunk's row agrees (a raw size of 1 GiB), and rank 1's
+    ``w`` (the same chunks) is made the same."""
+    _, doc = h.doc(1, 0, "model_states")
+    first = tensor_record(doc, "w")["chunks"][0]
+
+    def edit(d: dict[str, Any]) -> None:
+        tensor_record(d, "w").update(
+            dtype="uint8", shape=[_HUGE], nbytes=_HUGE, chunk_size=1 << 30, chunks=[first] * (_HUGE >> 30)
+        )
+
+    h.edit_doc(1, 0, "model_states", edit)
+    if raw_size_in_catalog:
+        h.edit_doc(1, 1, "model_states", edit)
+        h.set_chunk_row(first, raw_size=1 << 30)
+
+
+def test_a_huge_tensor_is_refused_by_its_chunk_locations_before_it_is_allocated(
+    hs: tuple[ckstore.Store, Hostile], tmp_path: Path
+) -> None:
+    """The catalog's raw size of the chunk disagrees with the manifest: checkout says so, before
+    it tries to allocate the 128 TiB the manifest declares (it used to fail allocating them)."""
+    store, h = hs
+    _huge_w(h, raw_size_in_catalog=False)
+    assert_refused(store, tmp_path, "key 'w'", "the catalog records 65536 raw bytes", only=("checkout", "consolidate", "export"))
+
+
+def test_a_tensor_that_cannot_be_allocated_is_an_integrity_error(hs: tuple[ckstore.Store, Hostile], tmp_path: Path) -> None:
+    """Manifest and catalog agree on a 128 TiB tensor: its allocation fails with an
+    IntegrityError naming run, step, rank and key (it was torch's bare RuntimeError)."""
+    store, h = hs
+    _huge_w(h, raw_size_in_catalog=True)
+    assert_refused(
+        store, tmp_path, "rank 0", "model_states", "key 'w'", f"cannot allocate {_HUGE} bytes",
+        only=("checkout", "consolidate", "export"),
+    )  # fmt: skip
+
+
 def _deep(depth: int) -> list[Any]:
     node: list[Any] = ["n"]
     for _ in range(depth):
@@ -216,6 +259,11 @@ RECORD_LIES = {
     "digest not hex": (_rec("chunks", ["zz" * 16, "00" * 16]), "not hex"),
     "digest too short": (_rec("chunks", ["00" * 15, "00" * 16]), "hex"),
     "negative dim": (_rec("shape", [-48, -128]), "non-negative"),
+    # a 0 elsewhere in the shape keeps nbytes 0 whatever the other dims say (torch refused them
+    # with a bare TypeError)
+    "dim 2**63 beside a 0": (_rec("shape", [1 << 63, 0], "empty"), "below 2**63"),
+    "dim 2**70 beside a 0": (_rec("shape", [1 << 70, 0], "empty"), "below 2**63"),
+    "dim 2**64 after a 0": (_rec("shape", [0, 1 << 64], "empty"), "below 2**63"),
     "bool as dim": (_rec("shape", [True, 128]), "non-negative"),
     "unknown dtype": (_rec("dtype", "float99"), "float99"),
     "dtype alias": (_rec("dtype", "float"), "'float'"),

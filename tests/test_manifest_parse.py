@@ -96,6 +96,29 @@ def test_records_share_their_dtype_name() -> None:
     assert a.dtype is b.dtype
 
 
+@pytest.mark.parametrize(
+    "shape,ok",
+    [
+        ([(1 << 63) - 1, 0], True),
+        ([1 << 63, 0], False),
+        ([0, 1 << 70], False),
+        ([3, 0, 1 << 64], False),
+    ],
+)
+def test_a_dim_past_signed_64_bits_is_refused_on_both_paths(shape: list[int], ok: bool) -> None:
+    """A shape holding a 0 has no bytes whatever its other dims say; a dim of 2**63 or more is
+    still refused (torch cannot make it), by the inline checks and the checked path alike, and a
+    shard's global shape and offsets are bounded the same way."""
+    obj = tensor_json("t", "float32", shape, 0, 16, [], None)
+    fast = _outcome(TensorRecord.from_json, copy.deepcopy(obj), "at: ")
+    assert fast == _outcome(TensorRecord._checked, copy.deepcopy(obj), "at: ")
+    assert fast[0] == ("ok" if ok else "error")
+    if not ok:
+        assert "below 2**63" in fast[1]
+    sharded = {**obj, "shape": [0], "shard": {"global_shape": [shape[-1]], "offsets": [0], "splits": []}}
+    assert _outcome(TensorRecord.from_json, sharded, "at: ")[0] == ("ok" if shape[-1] < 1 << 63 else "error")
+
+
 _KEYS = st.one_of(
     st.builds(lambda s: ["s", s], st.sampled_from(["a", "b", "1", ""])), st.builds(lambda i: ["i", i], st.integers(0, 2)),
     st.builds(lambda b: ["b", b], st.booleans()), st.sampled_from([["f", "1.0"], ["f", "nan"], ["n"], ["y", "AA=="], ["s"], 7, ["i", True], ["s", 1], ["i", "7"], ["", 1]]),

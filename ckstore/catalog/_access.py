@@ -4,6 +4,7 @@ read snapshots, write transactions, dialect-specific inserts, database errors tr
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -13,7 +14,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy import exc as sa_exc
 
-from ..errors import OUTCOME_UNKNOWN, CatalogError
+from ..errors import OUTCOME_UNKNOWN, CatalogError, IntegrityError
 from ._engine import (
     Rows,
     check_schema,
@@ -236,6 +237,12 @@ class CatalogBase:
                 with conn.begin():
                     yield conn
         except (sa_exc.OperationalError, sa_exc.InterfaceError) as e:
+            column = _NOT_UTF8.search(_reason(e))
+            if column is not None:  # SQLite's text that is not UTF-8: a row changed outside ckstore
+                raise IntegrityError(
+                    f"catalog {redact(self.url)} holds text that is not UTF-8 in column {column[1]!r}; it was "
+                    "changed outside ckstore: restore the catalog from a backup, or fix that row"
+                ) from e
             raise CatalogError(
                 f"reading catalog {redact(self.url)} failed ({_reason(e)}); retry once it is reachable"
             ) from e
@@ -251,6 +258,10 @@ class CatalogBase:
 
             return sqlite.insert(table)
         raise CatalogError(f"catalog dialect {self.dialect} is not supported; use SQLite or PostgreSQL")
+
+
+#: what SQLite's driver says of a TEXT value that is not UTF-8
+_NOT_UTF8 = re.compile(r"^Could not decode to UTF-8 column '([^']{1,100})'")
 
 
 def _reason(e: sa_exc.DBAPIError) -> str:

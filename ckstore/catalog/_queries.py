@@ -2,9 +2,10 @@
 chunk locations.
 
 Catalog rows are untrusted: a row damaged outside ckstore (a world layout that is not JSON, a
-metric that is not a number) makes that one checkpoint unreadable, never a listing. Listings
-skip it with a :class:`CorruptRowWarning`; resolving it raises :class:`IntegrityError` naming
-its run and step.
+metric that is not a number, a column holding a value of another type) makes that one
+checkpoint unreadable, never a listing. Listings skip it with a :class:`CorruptRowWarning`;
+resolving it, or reading its entries or chunk locations, raises :class:`IntegrityError` naming
+its run, step, table and column.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, exists, func, select
@@ -41,7 +43,10 @@ from ._rows import (
 )
 from ._schema import COMMITTED, PENDING
 
-__all__ = ["CheckoutRows", "CorruptRowWarning", "Loaded", "QueriesMixin", "load_records", "resolve_ref"]
+__all__ = [
+    "CheckoutRows", "CorruptRowWarning", "Loaded", "QueriesMixin", "corrupt_value", "entry_values", "load_records",
+    "resolve_ref",
+]  # fmt: skip
 
 
 class CorruptRowWarning(UserWarning):
@@ -51,7 +56,7 @@ class CorruptRowWarning(UserWarning):
 @dataclass(frozen=True, slots=True)
 class _Corrupt:
     run: str
-    step: int
+    step: int | str  # (as the row holds it, when that is not an integer)
     problem: str
 
     def describe(self) -> str:
@@ -81,6 +86,37 @@ class Loaded:
         if ckpt_id not in self.records:
             raise CheckpointNotFoundError(f"checkpoint #{ckpt_id} no longer exists")
         return self.records[ckpt_id]
+
+
+class _BadValue(ValueError):
+    """A catalog column holds a value of another type (a row changed outside ckstore)."""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(value: Any, column: str) -> int:
+    """An integer column's value (a driver hands back integers; SQLite keeps any text as it is)."""
+    if type(value) is int:
+        return value
+    raise _BadValue(f"column {column} holds {_short(value)}, not an integer")
+
+
+def _blob(value: Any, column: str) -> bytes:
+    """A binary column's value (never ``bytes(n)`` of an integer: that allocates ``n`` bytes)."""
+    if type(value) is bytes:
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise _BadValue(f"column {column} holds {type(value).__name__} {_short(value)[:40]}, not bytes")
+
+
+def _time(value: Any, column: str) -> datetime:
+    if isinstance(value, datetime):
+        return aware(value)
+    raise _BadValue(f"column {column} holds {_short(value)}, not a time")
 
 
 def _metric(value: Any) -> float:
@@ -146,8 +182,11 @@ def load_records(
     out = Loaded()
     for batch in batches(list(ids)):
         params = {"ids": list(batch)}
-        rows = execute(conn, _ROWS, params).all()
         problems: dict[int, str] = {}
+        try:
+            rows = execute(conn, _ROWS, params).all()
+        except (ValueError, TypeError):  # a value the driver cannot convert (a time that is not one)
+            rows = _rows_one_by_one(conn, batch, out)
         metrics: dict[int, dict[str, float]] = {}
         # names in code point order, here rather than by ORDER BY: a PostgreSQL collation may
         # order them otherwise, and a record reads the same from every catalog
@@ -165,6 +204,8 @@ def load_records(
         else:
             for e in execute(conn, _LAYOUT, params):
                 ranks, keys = layout.setdefault(e.checkpoint_id, (set(), []))
+                if type(e.rank) is not int:
+                    problems.setdefault(e.checkpoint_id, f"column entries.rank holds {_short(e.rank)}, not an integer")
                 ranks.add(e.rank)
                 if e.sub_key not in keys:
                     keys.append(e.sub_key)
@@ -198,23 +239,32 @@ def _build(
     keys: list[str],
 ) -> None:
     """Add checkpoint row ``r`` (a ``_ROWS`` row) to ``out``, as a record or as corrupt."""
+    world = None
     try:
         world = WorldLayout.from_json(json.loads(r.world_layout))
     except (ValueError, TypeError, KeyError, CkstoreError) as err:
         problem = problem or f"world layout {str(r.world_layout)[:80]!r}: {err}"
-    if problem is not None:
-        out.corrupt[r.id] = _Corrupt(r.run_name, int(r.step), problem)
+    try:
+        step = _int(r.step, "checkpoints.step")
+        created_at = _time(r.created_at, "checkpoints.created_at")
+        committed_at = None if r.committed_at is None else _time(r.committed_at, "checkpoints.committed_at")
+        logical_bytes = _int(r.logical_bytes or 0, "checkpoints.logical_bytes")
+        stored_bytes_added = _int(r.stored_bytes_added or 0, "checkpoints.stored_bytes_added")
+    except _BadValue as err:
+        problem = problem or str(err)
+    if problem is not None or world is None:
+        out.corrupt[r.id] = _Corrupt(r.run_name, r.step, problem or "world layout")
         return
     out.records[r.id] = Checkpoint(
         id=r.id,
         run=r.run_name,
-        step=int(r.step),
+        step=step,
         kind=r.kind,
         status=r.status,
-        created_at=aware(r.created_at),
-        committed_at=aware(r.committed_at),
-        logical_bytes=int(r.logical_bytes or 0),
-        stored_bytes_added=int(r.stored_bytes_added or 0),
+        created_at=created_at,
+        committed_at=committed_at,
+        logical_bytes=logical_bytes,
+        stored_bytes_added=stored_bytes_added,
         world_layout=world,
         metrics=metrics,
         tags=tuple(tags),
@@ -222,6 +272,32 @@ def _build(
         sub_keys=tuple(keys),
         parent=f"{r.prun}@{r.pstep}" if r.prun is not None else None,
     )
+
+
+def _rows_one_by_one(conn: Connection, ids: Sequence[int], out: Loaded) -> list[Any]:
+    """The ``_ROWS`` rows of ``ids`` read one at a time, when reading them together failed: a row
+    whose value the driver cannot convert is recorded in ``out`` as corrupt, naming the column."""
+    rows: list[Any] = []
+    for i in ids:
+        try:
+            rows.extend(execute(conn, _ROWS, {"ids": [i]}).all())
+            continue
+        except (ValueError, TypeError) as err:
+            problem = f"a column of table checkpoints: {err}"
+        for col in CHECKPOINTS.c:
+            try:
+                conn.execute(select(col).where(CHECKPOINTS.c.id == i)).all()
+            except (ValueError, TypeError) as err:
+                problem = f"column checkpoints.{col.name}: {err}"
+                break
+        name = conn.execute(
+            select(RUNS.c.name, CHECKPOINTS.c.step)
+            .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+            .where(CHECKPOINTS.c.id == i)
+        ).first()
+        if name is not None:
+            out.corrupt[i] = _Corrupt(name.name, name.step, problem)
+    return rows
 
 
 # the refs resolved most often, built once (a metric's best is built per call)
@@ -339,12 +415,11 @@ class QueriesMixin(CatalogBase):
             where = None
             if locations:  # every entry: read once, for the record's layout too
                 rows = execute(conn, _ENTRIES_WITH_ID, {"ckpt": found}).all()
+                entries = entry_values(conn, found, rows)
                 keys = list(dict.fromkeys(r.sub_key for r in sorted(rows, key=lambda r: r.id)))
-                ckpt = load_records(conn, [found], {found: ({int(r.rank) for r in rows}, keys)}).one(found)
+                ckpt = load_records(conn, [found], {found: ({r for r, _, _ in entries}, keys)}).one(found)
                 scope(ckpt)
-                entries = [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in rows]
-                packs: dict[str, str] = {}
-                where = {bytes(r.digest): _location(r, packs) for r in execute(conn, _LOCATIONS_OF, {"ckpt": found}).all()}
+                where = _locations(execute(conn, _LOCATIONS_OF, {"ckpt": found}).all(), ckpt.ref)
             else:
                 ckpt = load_records(conn, [found]).one(found)
                 ranks, sub_keys = scope(ckpt)
@@ -373,14 +448,12 @@ class QueriesMixin(CatalogBase):
         with self._read() as conn:
             if checkpoint_id is not None:
                 want = set(wanted)
-                for r in execute(conn, _LOCATIONS_OF, {"ckpt": checkpoint_id}).all():
-                    d = bytes(r.digest)
+                for d, loc in _locations(execute(conn, _LOCATIONS_OF, {"ckpt": checkpoint_id}).all(), None, packs).items():
                     if d in want:
-                        out[d] = _location(r, packs)
+                        out[d] = loc
                 wanted = [d for d in wanted if d not in out]
             for batch in batches(wanted):
-                for r in execute(conn, _LOCATIONS, {"digests": batch}).all():
-                    out[bytes(r.digest)] = _location(r, packs)
+                out.update(_locations(execute(conn, _LOCATIONS, {"digests": batch}).all(), None, packs))
         return out
 
     def is_empty(self) -> bool:
@@ -427,14 +500,70 @@ def _entries(
         if sub_keys is not None:
             q = q.where(ENTRIES.c.sub_key.in_(list(sub_keys)))
         rows = conn.execute(q, {"ckpt": ckpt_id})
-    return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in rows]
+    return entry_values(conn, ckpt_id, rows)
 
 
-def _location(r: Any, packs: dict[str, str]) -> ChunkLocation:
-    """A chunk's location from its row; ``packs`` gives every location of a pack one key
-    string (the driver makes one per row: ~8 MiB held through a checkout of 100,000 chunks)."""
-    base = bytes(r.base) if r.base is not None else None
-    return ChunkLocation(packs.setdefault(r.key, r.key), int(r.offset), int(r.length), int(r.raw_size), int(r.codec), base)
+def corrupt_value(conn: Connection, ckpt_id: int, problem: str) -> IntegrityError:
+    """The error for a row of checkpoint ``ckpt_id`` (other than its own) holding a value of
+    another type: it names the checkpoint's run and step, and ``problem`` the table and column."""
+    row = conn.execute(
+        select(RUNS.c.name, CHECKPOINTS.c.step)
+        .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+        .where(CHECKPOINTS.c.id == ckpt_id)
+    ).first()
+    run, step = (row.name, row.step) if row is not None else ("?", f"#{ckpt_id}")
+    return IntegrityError(_Corrupt(run, step, problem).describe())
+
+
+def entry_values(conn: Connection, ckpt_id: int, rows: Iterable[Any]) -> list[tuple[int, str, bytes]]:
+    """``(rank, sub_key, manifest)`` of entry rows of checkpoint ``ckpt_id``; a value of another
+    type is an :class:`IntegrityError` naming the checkpoint, the entry and the column."""
+    out = []
+    for r in rows:
+        try:
+            out.append((_int(r.rank, "entries.rank"), r.sub_key, _blob(r.manifest, "entries.manifest")))
+        except _BadValue as err:
+            raise corrupt_value(conn, ckpt_id, f"its entry of rank {_short(r.rank)}, {r.sub_key}: {err}") from None
+    return out
+
+
+def _locations(rows: Sequence[Any], ref: str | None, packs: dict[str, str] | None = None) -> dict[bytes, ChunkLocation]:
+    """Chunk locations from their rows; ``packs`` gives every location of a pack one key string
+    (the driver makes one per row: ~8 MiB held through a checkout of 100,000 chunks). A value of
+    another type is an :class:`IntegrityError` naming the chunk and the column (and checkpoint
+    ``ref``, when the rows are its chunks)."""
+    if packs is None:
+        packs = {}
+    try:
+        # (a digest or base that is not bytes is never given to bytes(): of an integer n, that
+        # allocates n bytes)
+        return {
+            r.digest if type(r.digest) is bytes else _blob(r.digest, "chunks.digest"): ChunkLocation(
+                packs.setdefault(r.key, r.key), int(r.offset), int(r.length), int(r.raw_size), int(r.codec),
+                None if r.base is None else _blob(r.base, "chunks.base"),
+            )
+            for r in rows
+        }  # fmt: skip
+    except (TypeError, ValueError, OverflowError) as err:
+        first = str(err)
+    for r in rows:  # (only when one is damaged: name it)
+        digest = r.digest.hex() if isinstance(r.digest, bytes) else _short(r.digest)
+        try:
+            _blob(r.digest, "chunks.digest")
+            for column in ("offset", "length", "raw_size", "codec"):
+                _int(getattr(r, column), f"chunks.{column}")
+            if r.base is not None:
+                _blob(r.base, "chunks.base")
+            if not isinstance(r.key, str):
+                raise _BadValue(f"column packs.key holds {_short(r.key)}, not text")
+        except _BadValue as err:
+            first = f"chunk {digest}: {err}"
+            break
+    of = f" of checkpoint {ref}" if ref is not None else ""
+    raise IntegrityError(
+        f"the catalog row of a chunk{of} is corrupt ({first}); it was changed outside ckstore: restore "
+        "the catalog from a backup, or fix that row (`ckstore fsck` lists the checkpoints it breaks)"
+    )
 
 
 def pending_checkpoints(conn: Connection) -> list[Pending]:

@@ -149,14 +149,27 @@ class RecordsMixin(QueriesMixin):
         return aware(conn.execute(select(RUNS.c.created_at).where(RUNS.c.name == name)).scalar())
 
     def identities(self) -> dict[Ident, str]:
-        """Every checkpoint row's identity and status (committed, and pending commits in flight)."""
+        """Every checkpoint row's identity and status (committed, and pending commits in flight).
+        A row changed outside ckstore (a step or time of another type) is left out: fsck names
+        it as damage of its own."""
+        q = select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.created_at, CHECKPOINTS.c.status).select_from(
+            CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
+        )
         with self._read() as conn:
-            rows = conn.execute(
-                select(RUNS.c.name, CHECKPOINTS.c.step, CHECKPOINTS.c.created_at, CHECKPOINTS.c.status).select_from(
-                    CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id)
-                )
-            ).all()
-        return {(r.name, int(r.step), aware(r.created_at)): r.status for r in rows}
+            try:
+                rows = conn.execute(q).all()
+            except (ValueError, TypeError):  # a time the driver cannot convert: read them one by one
+                rows = []
+                for (i,) in conn.execute(select(CHECKPOINTS.c.id)).all():
+                    try:
+                        rows += conn.execute(q.where(CHECKPOINTS.c.id == i)).all()
+                    except (ValueError, TypeError):
+                        continue
+        return {
+            (r.name, r.step, aware(r.created_at)): r.status
+            for r in rows
+            if type(r.step) is int and isinstance(r.created_at, datetime)
+        }
 
     # -- rebuilding -----------------------------------------------------------------------------
     def restore_packs(self, packs: Sequence[tuple[str, int]]) -> None:

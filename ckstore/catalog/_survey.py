@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, func, select
 
-from ._queries import pending_checkpoints
+from ._queries import entry_values, load_records, pending_checkpoints
 from ._rows import (
     CHECKPOINTS,
     CHUNK_REFS,
@@ -67,6 +67,12 @@ class CheckpointId:
         return f"{self.run}@{self.step}"
 
 
+def _digest(value: object) -> bytes | None:
+    """A binary column's value as bytes; None for NULL or a value of another type (never
+    ``bytes(n)`` of an integer: that allocates ``n`` bytes)."""
+    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+
+
 class Survey:
     """Named reads over one catalog transaction; valid only inside the ``with`` that made it."""
 
@@ -82,32 +88,59 @@ class Survey:
         return pending_checkpoints(self._conn)
 
     def committed(self) -> list[CheckpointId]:
-        """Every committed checkpoint, by run and step."""
+        """Every committed checkpoint, by run and step; one whose step is not an integer (a row
+        damaged outside ckstore) is left out, and :meth:`corrupt_records` names it."""
         rows = self._conn.execute(
             select(CHECKPOINTS.c.id, RUNS.c.name, CHECKPOINTS.c.step)
             .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
             .where(CHECKPOINTS.c.status == COMMITTED)
             .order_by(RUNS.c.id, CHECKPOINTS.c.step)
         )
-        return [CheckpointId(int(r.id), r.name, int(r.step)) for r in rows]
+        return [CheckpointId(int(r.id), r.name, r.step) for r in rows if type(r.step) is int]
+
+    def corrupt_records(self) -> list[tuple[str, int | None, str]]:
+        """``(run, step, problem)`` of every committed checkpoint whose rows do not read as its
+        record (as a listing skips it); step None where the step itself is damaged."""
+        ids = [
+            int(i)
+            for (i,) in self._conn.execute(
+                select(CHECKPOINTS.c.id).where(CHECKPOINTS.c.status == COMMITTED).order_by(CHECKPOINTS.c.id)
+            )
+        ]
+        corrupt = load_records(self._conn, ids).corrupt.values()
+        return [(c.run, c.step if type(c.step) is int else None, c.describe()) for c in corrupt]
 
     def entries(self, ckpt_id: int) -> list[tuple[int, str, bytes]]:
-        """``(rank, sub_key, manifest)`` of a checkpoint's entries, by rank."""
+        """``(rank, sub_key, manifest)`` of a checkpoint's entries, by rank; a value of another
+        type is an :class:`~ckstore.errors.IntegrityError` naming the checkpoint and the column."""
         rows = self._conn.execute(
             select(ENTRIES.c.rank, ENTRIES.c.sub_key, ENTRIES.c.manifest)
             .where(ENTRIES.c.checkpoint_id == ckpt_id)
             .order_by(ENTRIES.c.rank, ENTRIES.c.id)
         )
-        return [(int(r.rank), r.sub_key, bytes(r.manifest)) for r in rows]
+        return entry_values(self._conn, ckpt_id, rows)
 
-    def referenced_chunks(self, ckpt_id: int) -> dict[bytes, int]:
-        """Digest -> raw size of the chunks a checkpoint references (what protects them from gc)."""
+    def referenced_chunks(self, ckpt_id: int) -> dict[bytes, int | str]:
+        """Digest -> raw size of the chunks a checkpoint references (what protects them from gc);
+        for a chunk row whose offset, length or raw size is not an integer (damaged outside
+        ckstore), what is wrong with it instead. A row whose digest is not bytes is left out."""
         rows = self._conn.execute(
-            select(CHUNKS.c.digest, CHUNKS.c.raw_size)
+            select(CHUNKS.c.digest, CHUNKS.c.raw_size, CHUNKS.c.offset, CHUNKS.c.length)
             .select_from(CHUNK_REFS.join(CHUNKS, CHUNKS.c.id == CHUNK_REFS.c.chunk_id))
             .where(CHUNK_REFS.c.checkpoint_id == ckpt_id)
         )
-        return {bytes(d): int(raw) for (d, raw) in rows}
+        out: dict[bytes, int | str] = {}
+        for d, raw, offset, length in rows:
+            digest = _digest(d)
+            if digest is None:
+                continue
+            columns = (("raw_size", raw), ("offset", offset), ("length", length))
+            bad = next((f"chunks.{n} holds {v!r}"[:80] for n, v in columns if type(v) is not int), None)
+            out[digest] = raw if bad is None else (
+                f"its catalog row is corrupt (column {bad}, not an integer); it was changed outside ckstore: "
+                "restore the catalog from a backup, or fix that row"
+            )  # fmt: skip
+        return out
 
     def chunk_bases(self, digests: Iterable[bytes]) -> dict[bytes, bytes | None]:
         """Digest -> base digest (None: no delta) of the chunks of ``digests`` the catalog has."""
@@ -150,10 +183,15 @@ class Survey:
         if ending_past is not None:
             q = q.where(CHUNKS.c.offset + CHUNKS.c.length > ending_past)
         rows = self._conn.execute(q.order_by(CHUNKS.c.offset))
+        # a row damaged outside ckstore (a value of another type) is left out: referenced_chunks
+        # names it for the checkpoints that use it
         return [
-            ChunkSpan(bytes(r.digest), int(r.offset), int(r.length), int(r.raw_size), None if r.base is None else bytes(r.base))
+            ChunkSpan(digest, r.offset, r.length, r.raw_size, base)
             for r in rows
-        ]
+            if (digest := _digest(r.digest)) is not None
+            and type(r.offset) is int and type(r.length) is int and type(r.raw_size) is int
+            and ((base := _digest(r.base)) is not None or r.base is None)
+        ]  # fmt: skip
 
     def existing_packs(self, ids: Iterable[int]) -> set[int]:
         """Which of the pack rows ``ids`` still exist (gc deletes rows before objects)."""

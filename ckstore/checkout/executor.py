@@ -33,7 +33,7 @@ from ..format.tensorio import byte_view, dtype_from_name, empty_tensor
 from .bases import Bases
 from .readplan import ChunkCopy, ReadPlan
 
-__all__ = ["execute_plan", "allocate_targets", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX", "LOCAL_READ_MAX"]
+__all__ = ["execute_plan", "allocate_targets", "locate_plan", "COALESCE_GAP", "COALESCE_SMALL", "COALESCE_WASTE", "COALESCE_MAX", "LOCAL_READ_MAX"]
 
 # Neighbouring chunks of a pack are fetched in one request when the bytes between them are few:
 # at most COALESCE_GAP, and either under COALESCE_SMALL or under 1/COALESCE_WASTE of the bytes the
@@ -105,23 +105,24 @@ def execute_plan(
     progress: Callable[[int], None] | None = None,
     pin_memory: bool = False,
     tensors: list[torch.Tensor | None] | None = None,
+    locs: dict[bytes, ChunkLocation] | None = None,
 ) -> list[torch.Tensor | None]:
     """Fill every buffer of ``plan``; returns the target tensors by buffer index (staging: None).
 
     ``where`` names the checkpoint ("run 'exp1', step 100") in error messages. With
     ``pin_memory`` target tensors are allocated in pinned memory, ready for asynchronous copies
     to an accelerator. ``tensors``: the targets, from :func:`allocate_targets` (allocated here
-    when None).
+    when None); ``locs``: the chunks' checked locations, from :func:`locate_plan` (looked up
+    here when None). A caller that allocates the targets itself locates the chunks first, so a
+    damaged catalog is refused before anything is allocated.
     """
-    digests = list(dict.fromkeys(c.digest for c in plan.copies))
-    locs = locate(digests)
-    for c in plan.copies:
-        _check_location(c, locs.get(c.digest), where)
+    if locs is None:
+        locs = locate_plan(plan, locate, where)
     bases = Bases(blobs, locate, locs)
     if any(locs[c.digest].base is not None for c in plan.copies):
         bases.prefetch(locs)  # the bases of deltas, read and decoded as their deltas need them
     if tensors is None:
-        tensors = allocate_targets(plan, pin_memory=pin_memory)
+        tensors = allocate_targets(plan, pin_memory=pin_memory, where=where)
     # by buffer index (a list: a dict of 100,000 views added 5 MiB to a checkout's peak); they
     # point into ``tensors``, which outlive them: every task that writes through them ends
     # before the pool's block does
@@ -307,17 +308,56 @@ def _copies(got: ChunkCopy | list[ChunkCopy]) -> Sequence[ChunkCopy]:
     return got if isinstance(got, list) else (got,)
 
 
-def allocate_targets(plan: ReadPlan, *, pin_memory: bool = False) -> list[torch.Tensor | None]:
-    """The (unfilled) target tensors of ``plan``'s buffers, by buffer index (staging: None)."""
+def locate_plan(
+    plan: ReadPlan, locate: Callable[[list[bytes]], dict[bytes, ChunkLocation]], where: str
+) -> dict[bytes, ChunkLocation]:
+    """The locations of every chunk ``plan`` reads, each checked against the manifest (see
+    :func:`_check_location`): what a checkout does before it allocates anything."""
+    try:
+        locs = locate(list(dict.fromkeys(c.digest for c in plan.copies)))
+    except IntegrityError as e:  # a chunk row changed outside ckstore
+        raise IntegrityError(f"{where}: {e}") from e
+    for c in plan.copies:
+        _check_location(c, locs.get(c.digest), where)
+    return locs
+
+
+def allocate_targets(plan: ReadPlan, *, pin_memory: bool = False, where: str = "") -> list[torch.Tensor | None]:
+    """The (unfilled) target tensors of ``plan``'s buffers, by buffer index (staging: None).
+
+    A tensor that cannot be allocated is an :class:`IntegrityError` naming it (``where``: the
+    checkpoint): its manifest declares more than this machine holds."""
     tensors: list[torch.Tensor | None] = [None] * len(plan.buffers)
     dtypes: dict[str, torch.dtype] = {}
-    for i, buf in enumerate(plan.buffers):
-        if not buf.staging:
-            dt = dtypes.get(buf.dtype)
-            if dt is None:
-                dt = dtypes[buf.dtype] = dtype_from_name(buf.dtype)
-            tensors[i] = empty_tensor(dt, buf.shape, pin_memory=pin_memory)
+    i = 0
+    try:
+        for i, buf in enumerate(plan.buffers):
+            if not buf.staging:
+                dt = dtypes.get(buf.dtype)
+                if dt is None:
+                    dt = dtypes[buf.dtype] = dtype_from_name(buf.dtype)
+                tensors[i] = empty_tensor(dt, buf.shape, pin_memory=pin_memory)
+    except (RuntimeError, MemoryError) as e:
+        buf = plan.buffers[i]
+        at = f"{where}, " if where else ""
+        raise IntegrityError(
+            f"{at}{_buffer_source(plan, i)}: cannot allocate {buf.nbytes} bytes ({buf.dtype} of shape "
+            f"{list(buf.shape)}) for it: {str(e).splitlines()[0][:200]}; free memory, check out fewer ranks or "
+            "sub-checkpoints, or, if the checkpoint cannot be that large, its manifest is damaged (run "
+            "`ckstore fsck`)"
+        ) from e
     return tensors
+
+
+def _buffer_source(plan: ReadPlan, i: int) -> str:
+    """The stored tensor that buffer ``i`` of ``plan`` receives, for an error message."""
+    for c in plan.copies:
+        if c.buffer == i:
+            return c.source
+    for e in plan.entries:
+        if i in e.buffers:
+            return f"{e.source}, tensor {e.buffers.index(i)}"
+    return f"tensor buffer {i}"
 
 
 def _max_read(digests: Iterable[bytes], locs: dict[bytes, ChunkLocation], workers: int, cap: int = COALESCE_MAX) -> int:

@@ -301,10 +301,10 @@ def _render_fsck(rep: Any) -> None:
         for ref, items in by_ckpt.items():
             console.print(f"  [bold]{esc(ref)}[/]: {len(items)} damaged chunk uses")
             for d in items[:20]:
-                console.print(
-                    f"    rank {d.rank} {esc(d.sub_key)} {esc(d.path)} chunk {esc(d.chunk or '-')}: {esc(d.problem)}",
-                    soft_wrap=True,
-                )
+                where = f"rank {d.rank} {esc(d.sub_key)} {esc(d.path)} chunk {esc(d.chunk or '-')}" if d.rank >= 0 else (
+                    f"chunk {esc(d.chunk)}" if d.chunk else "the checkpoint's catalog rows"
+                )  # a rank below 0: damage that is no one rank's (a record, a pack)
+                console.print(f"    {where}: {esc(d.problem)}", soft_wrap=True)
             if len(items) > 20:
                 console.print(f"    … {len(items) - 20} more (see --json)")
         console.print(

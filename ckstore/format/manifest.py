@@ -65,6 +65,9 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_CHUNK_SIZE = 1 << 30
 #: The most dimensions a stored tensor may have.
 MAX_NDIM = 64
+#: Every dim of a shape (and every shard offset) is below this: torch's sizes are signed 64-bit,
+#: and a shape holding a 0 says nothing about its other dims' sizes
+DIM_LIMIT = 1 << 63
 DIGEST_SIZE = 16  # xxh3-128
 #: each stored dtype's name (the one string every record of it shares) and element size
 _DTYPES: dict[str, tuple[str, int]] = {name: (name, size) for name, size in STORED_ITEMSIZES.items()}
@@ -189,7 +192,9 @@ class TensorRecord(NamedTuple):
             if type(x) is not int or x < 0:
                 return cls._checked(obj, where)
             n *= x
-        if n != nbytes:
+        # (dims of a non-empty tensor are below nbytes, which its chunk count bounds; a 0 lets the
+        # others be anything)
+        if n != nbytes or (not n and any(x >= DIM_LIMIT for x in shape)):
             return cls._checked(obj, where)
         try:
             if len(hexes) == 1:  # most tensors
@@ -481,8 +486,8 @@ def _field(obj: dict[str, Any], name: str, kind: type, where: str) -> Any:
 
 
 def _ints(xs: list[Any], what: str) -> list[int]:
-    if not all(_is_int(x) and x >= 0 for x in xs):
-        raise IntegrityError(f"{what} {_short(xs)} is not a list of non-negative integers")
+    if not all(_is_int(x) and 0 <= x < DIM_LIMIT for x in xs):
+        raise IntegrityError(f"{what} {_short(xs)} is not a list of non-negative integers below 2**63")
     return xs
 
 

@@ -1,7 +1,11 @@
 """Consistency checks of a store: :func:`check` behind ``ckstore fsck``.
 
-* every pack that holds chunk rows exists and is long enough for them (``deep``: every chunk is
-  read, decoded and hashed against its digest);
+* every pack that holds chunk rows has a key under ``packs/``, exists and is long enough for
+  them (``deep``: its header and index agree with the catalog, and every chunk is read, decoded
+  and hashed against its digest);
+* every committed checkpoint's catalog rows read as its record (a row changed outside ckstore,
+  such as a world layout that is not JSON or a column holding a value of another type, is
+  damage);
 * every digest a committed checkpoint's manifests list is a chunk that checkpoint references in
   the catalog (what gc relies on to keep it);
 * objects under ``packs/`` that no pack row or trash row knows are orphans, and pending
@@ -25,6 +29,7 @@ from ..config import MAX_DELTA_CHAIN
 from ..errors import BlobStoreError, ChunkNotFoundError, IntegrityError
 from ..format.manifest import MAX_CHUNK_SIZE, Manifest, TensorRecord, check_pieces
 from .gc import (
+    PACK_PREFIX,
     Progress,
     Reaped,
     check_grace,
@@ -45,8 +50,8 @@ class Damage:
     """One thing a committed checkpoint needs that is missing or corrupt."""
 
     run: str
-    step: int
-    rank: int
+    step: int  # (-1 when the checkpoint's step itself is damaged: the problem names it)
+    rank: int  # (-1 when the damage is in the checkpoint's own rows, not one rank's)
     sub_key: str
     path: str  # tensor path in the state dict ("" when the whole entry is unreadable)
     chunk: str  # digest, hex ("" when not about one chunk)
@@ -58,7 +63,7 @@ class Damage:
         return f"{self.run}@{self.step}"
 
     def describe(self) -> str:
-        where = f"{self.ref} rank {self.rank} {self.sub_key}"
+        where = f"{self.ref} rank {self.rank} {self.sub_key}" if self.rank >= 0 else self.ref
         if self.path:
             where += f" {self.path}"
         if self.chunk:
@@ -118,6 +123,7 @@ def _verify_pack(
     from ..catalog import ChunkLocation
     from ..checkout.bases import Bases
     from ..format import codec, hashing
+    from ..format.pack import PACK_HEADER, read_index_at
 
     bases = Bases(blobs, catalog.chunk_locations)
 
@@ -127,10 +133,24 @@ def _verify_pack(
         return {c.digest: f"pack object {key} is missing" for c in chunks}, 0
     except BlobStoreError as e:
         return {c.digest: f"pack object {key} cannot be read: {e}" for c in chunks}, 0
+    # the pack's header and index, which ``ckstore recover`` rebuilds the catalog from, must list
+    # every chunk as the catalog places it
+    index_problem = None
+    try:
+        index = set(read_index_at(lambda start, stop: bytes(data[start:stop]), len(data)))
+    except IntegrityError as e:
+        index = set()
+        index_problem = f"pack object {key} has a damaged header or index ({e}); `ckstore recover` cannot read it"
     bad: dict[bytes, str] = {}
     for c in chunks:
         d = c.digest
         end = c.offset + c.length
+        # the bounds checkout puts on a chunk's location (checkout.executor._check_location)
+        if c.offset < len(PACK_HEADER) or not codec.HEADER_SIZE <= c.length <= codec.max_frame_length(c.raw_size):
+            bad[d] = (
+                f"the catalog places its {c.length}-byte frame at byte {c.offset} of pack {key}; the catalog is damaged"
+            )
+            continue
         if end > len(data):
             bad[d] = f"pack object {key} is {len(data)} bytes, the chunk ends at byte {end}"
             continue
@@ -148,6 +168,13 @@ def _verify_pack(
             continue
         if hashing.digest(out.data) != d:
             bad[d] = f"chunk in {key} at byte {c.offset} does not match its digest (corrupt bytes)"
+        elif index_problem is not None:
+            bad[d] = index_problem
+        elif (d, c.offset, c.length, c.raw_size) not in index:
+            bad[d] = (
+                f"the index of pack object {key} does not list the chunk as the catalog places it (at byte "
+                f"{c.offset}, {c.length} bytes for {c.raw_size} raw bytes); the pack or the catalog is damaged"
+            )
     return bad, len(data)
 
 
@@ -198,8 +225,16 @@ def _shallow(
     """
     flagged: list[tuple[PackExtent, int | None, str]] = []  # (pack, chunks ending past, problem)
     for p in packs:
-        if p.key not in listing:
-            if not blobs.exists(p.key):
+        if not _pack_key(p.key):
+            why = f"the catalog names pack object {str(p.key)[:100]!r}, outside {PACK_PREFIX}; the catalog is damaged"
+            flagged.append((p, None, why))
+        elif p.key not in listing:
+            try:
+                missing = not blobs.exists(p.key)
+            except BlobStoreError as e:  # a key the blob store refuses (a damaged catalog)
+                flagged.append((p, None, f"pack object {p.key[:100]!r} cannot be looked up: {e}"))
+                continue
+            if missing:
                 flagged.append((p, None, f"pack object {p.key} is missing"))
         elif listing[p.key][0] < p.end:
             size = listing[p.key][0]
@@ -214,6 +249,11 @@ def _shallow(
             for c in survey.pack_chunks(p.id, ending_past=past):
                 bad[c.digest] = (p.key, why)
     return bad
+
+
+def _pack_key(key: object) -> bool:
+    """Whether ``key`` (from the catalog) can name a pack: checkout reads no other."""
+    return isinstance(key, str) and key.startswith(PACK_PREFIX)
 
 
 def _chains(survey: Survey, ckpt_id: int) -> dict[bytes, bytes | None]:
@@ -260,7 +300,12 @@ def _walk_manifests(
         refs = survey.referenced_chunks(ck.id)
         chains = _chains(survey, ck.id)
         pieces: dict[tuple[str, str], tuple[int, list[TensorRecord]]] = {}
-        for rank, sub_key, raw in survey.entries(ck.id):
+        try:
+            entries = survey.entries(ck.id)
+        except IntegrityError as err:  # a row of another type: the checkpoint's entries do not read
+            damage.append(Damage(ck.run, ck.step, -1, "", "", "", "", str(err)))
+            continue
+        for rank, sub_key, raw in entries:
             try:
                 man = Manifest.from_bytes(raw, f"{ck.run}@{ck.step} rank {rank} {sub_key}")
             except IntegrityError as err:
@@ -272,7 +317,7 @@ def _walk_manifests(
             for t in man.tensors:
                 for i, d in enumerate(t.chunks):
                     span = t.chunk_span(i)
-                    if d in refs and refs[d] != span[1] - span[0]:
+                    if d in refs and type(refs[d]) is int and refs[d] != span[1] - span[0]:
                         damage.append(
                             Damage(
                                 ck.run, ck.step, rank, sub_key, t.path, d.hex(), "",
@@ -285,6 +330,8 @@ def _walk_manifests(
                         used_bad.add(d)
                         key, why = bad[d]
                         damage.append(Damage(ck.run, ck.step, rank, sub_key, t.path, d.hex(), key, why))
+                    elif isinstance(row := refs.get(d), str):  # its row is corrupt
+                        damage.append(Damage(ck.run, ck.step, rank, sub_key, t.path, d.hex(), "", row))
                     elif d not in refs:
                         damage.append(
                             Damage(
@@ -336,11 +383,17 @@ def check(
         chunks = sum(p.chunks for p in packs)
         bytes_read = 0
         if deep:
-            more, bytes_read, _ = _deep(catalog, blobs, [p for p in packs if p.key in listing], workers, progress)
+            readable = [p for p in packs if _pack_key(p.key) and p.key in listing]
+            more, bytes_read, _ = _deep(catalog, blobs, readable, workers, progress)
             for d, v in more.items():
                 bad.setdefault(d, v)
         ckpts = survey.committed()
-        damage, used_bad = _walk_manifests(survey, ckpts, bad)
+        damage = [
+            Damage(run, -1 if step is None else step, -1, "", "", "", "", why)
+            for run, step, why in survey.corrupt_records()
+        ]
+        found, used_bad = _walk_manifests(survey, ckpts, bad)
+        damage += found
 
     temps = tuple(stale_temp_files(blobs, cutoff, catalog))
     fixed_orphans: tuple[str, ...] = ()
