@@ -290,14 +290,19 @@ def _rows_one_by_one(conn: Connection, ids: Sequence[int], out: Loaded) -> list[
             except (ValueError, TypeError) as err:
                 problem = f"column checkpoints.{col.name}: {err}"
                 break
-        name = conn.execute(
-            select(RUNS.c.name, CHECKPOINTS.c.step)
-            .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
-            .where(CHECKPOINTS.c.id == i)
-        ).first()
+        name = _run_and_step(conn, i)
         if name is not None:
             out.corrupt[i] = _Corrupt(name.name, name.step, problem)
     return rows
+
+
+def _run_and_step(conn: Connection, ckpt_id: int) -> Any:
+    """The run name and step (as the row holds it) of checkpoint ``ckpt_id``, or None."""
+    return conn.execute(
+        select(RUNS.c.name, CHECKPOINTS.c.step)
+        .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
+        .where(CHECKPOINTS.c.id == ckpt_id)
+    ).first()
 
 
 # the refs resolved most often, built once (a metric's best is built per call)
@@ -506,11 +511,7 @@ def _entries(
 def corrupt_value(conn: Connection, ckpt_id: int, problem: str) -> IntegrityError:
     """The error for a row of checkpoint ``ckpt_id`` (other than its own) holding a value of
     another type: it names the checkpoint's run and step, and ``problem`` the table and column."""
-    row = conn.execute(
-        select(RUNS.c.name, CHECKPOINTS.c.step)
-        .select_from(CHECKPOINTS.join(RUNS, RUNS.c.id == CHECKPOINTS.c.run_id))
-        .where(CHECKPOINTS.c.id == ckpt_id)
-    ).first()
+    row = _run_and_step(conn, ckpt_id)
     run, step = (row.name, row.step) if row is not None else ("?", f"#{ckpt_id}")
     return IntegrityError(_Corrupt(run, step, problem).describe())
 
