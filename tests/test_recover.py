@@ -211,3 +211,42 @@ def test_gc_deletes_records_of_dropped_checkpoints(store_path: Path) -> None:
     rep = s.fsck()
     assert rep.records is not None and rep.records.ok and rep.records.unknown == ()
     s.close()
+
+
+def test_recover_over_a_catalog_with_packs_in_the_trash(store_path: Path) -> None:
+    """Recover rerun over a catalog whose trash holds a pack (a repack's old pack, waiting out
+    the grace): every later gc failed with a raw UNIQUE-constraint error on the trash table."""
+    s = ckstore.open(store_path, run="a", chunk_size=1 << 20, pack_size=1 << 20)
+    for step in range(1, 4):
+        s.commit(step, {0: {"m": {"frozen": torch.arange(2000.0), "w": torch.randn(30_000)}}})
+    s.gc(LatestN(1), grace=0)
+    keep = s.checkout(3)
+    rep = s.gc(grace=3600, repack=True).repack
+    assert rep is not None and rep.packs_rewritten >= 1  # the old packs are in the trash
+    assert s.recover().ok
+    s.gc(grace=3600)
+    s.gc(grace=0)
+    assert s.fsck(deep=True).ok
+    assert_same(s.checkout(3), keep)
+    s.close()
+
+
+def test_a_delta_whose_base_is_lost_is_reported_incomplete(store_path: Path) -> None:
+    """Recover reported a checkpoint of delta chunks whose base pack was lost as complete (and
+    ``ok``), though no checkout of it could succeed."""
+    s = ckstore.open(store_path, run="a", chunk_size=16384, pack_size=1 << 20, delta_chain=2)
+    w = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
+    s.commit(1, {0: {"m": {"w": w}}})
+    s.commit(2, {0: {"m": {"w": w + 1e-4}}})  # deltas against step 1's chunks
+    first = {loc.pack_key for loc in s.catalog.chunk_locations(s.manifests(s.resolve(1))[(0, "m")].digests()).values()}
+    second = s.catalog.chunk_locations(s.manifests(s.resolve(2))[(0, "m")].digests())
+    assert all(loc.base is not None and loc.pack_key not in first for loc in second.values())
+    s.close()
+    drop_sqlite(store_path)
+    for key in first:
+        os.unlink(store_path / key)
+    with ckstore.open(store_path) as s:
+        rep = s.recover()
+        assert not rep.ok and sorted(ref for ref, _ in rep.incomplete) == ["a@1", "a@2"]
+        with pytest.raises(IntegrityError, match="step 2"):
+            s.checkout("a@2")

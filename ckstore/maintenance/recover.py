@@ -12,9 +12,11 @@ with the catalog (for ``fsck``).
    with), then tags, untags, deletes, forks and policies as they happened. Of two records of one
    step, the later commit wins (a commit with ``replace=True``).
 
-A checkpoint some of whose chunks no pack holds is restored and reported as incomplete (``fsck``
-names the tensors), never dropped silently. Every insert is idempotent, so recover may run
-twice, or over a catalog that still has part of the store.
+A checkpoint some of whose chunks no pack holds (or are deltas whose chain of bases no pack
+completes) is restored and reported as incomplete (``fsck`` names the tensors), never dropped
+silently. Every insert is idempotent, so recover may run twice, or over a catalog that still
+has part of the store (a pack in that catalog's trash is taken back out of it: the next gc
+trashes it again if no chunk row needs it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class RecoverReport:
     restored: tuple[str, ...]  # run@step of checkpoints recovered into the catalog
     present: tuple[str, ...]  # already there
     superseded: tuple[str, ...]  # older records of a step committed again (replace=True)
-    incomplete: tuple[tuple[str, int], ...]  # (run@step, chunks no pack holds)
+    incomplete: tuple[tuple[str, int], ...]  # (run@step, chunks no pack holds, or deltas no base chain decodes)
     runs: tuple[str, ...]
     tags: tuple[str, ...]  # run@tag as the catalog has them now
     events: int  # events replayed
@@ -167,13 +169,24 @@ def recover(catalog: Catalog, blobs: BlobStore, *, workers: int = 8, progress: P
             if progress is not None:
                 progress("packs", n, len(keys))
     recs, events, bad_records = _read_records(blobs, workers)
+    # a pack this catalog's trash holds (gc swept it, or a repack left it to wait out the grace)
+    # is taken back out: recover keeps every chunk the blob store has, and a pack row beside a
+    # trash row of the same key would fail every later sweep; the next gc trashes it again
+    with catalog.snapshot() as survey:
+        unknown = survey.unknown_keys([k for k, _ in good])
+        in_use = {p.key for p in survey.packs_in_use()}
+    catalog.forget_trash([k for k, _ in good if k not in unknown and k not in in_use])
 
     # codecs: from the records' hints where they agree with the pack, else the frame header
     hints = {(c.digest, c.pack, c.offset): c.codec for r in recs for c in r.chunks}
     for digest, (key, offset, _, _) in found.items():
         if (digest, key, offset) not in hints:
             hints[(digest, key, offset)] = blobs.read(key, offset, offset + 1)[0]
+    from ..format.codec import CODEC_DELTA
+
     bases = _delta_bases(blobs, found, hints)
+    # a delta no chain of found chunks decodes is as good as missing
+    unusable = {d for d, (k, o, _, _) in found.items() if hints[(d, k, o)] == CODEC_DELTA and d not in bases}
     catalog.restore_packs(good)
     catalog.restore_chunks(
         [
@@ -207,7 +220,7 @@ def recover(catalog: Catalog, blobs: BlobStore, *, workers: int = 8, progress: P
                 continue
             ident = (item.ident.run, item.ident.step, item.ident.created_at)
             digests = sorted({d for _, _, m, _ in item.entries for d in Manifest.from_bytes(m).digests()})
-            missing = sum(1 for d in digests if d not in found)
+            missing = sum(1 for d in digests if d not in found or d in unusable)
             catalog.restore_run(item.ident.run, item.run_created_at)
             done = catalog.restore_checkpoint(
                 ident, run_created_at=item.run_created_at, kind=item.kind, committed_at=item.committed_at,
