@@ -187,6 +187,7 @@ def scenario_main(store: ckstore.Store, rank: int, world: int, out: dict[str, An
     out["resume"] = [resume(store, rank, world, stage, bf16) for stage, bf16 in MATRIX[world]]
     if world == 1:
         frozen(store, rank, out)
+        reloaded(store, rank, out, Path(arg))
     else:
         attached(store, rank, world, out, Path(arg))
         failing(store, rank, out)
@@ -212,6 +213,37 @@ def frozen(store: ckstore.Store, rank: int, out: dict[str, Any]) -> None:
         "second_added": cks[1].stored_bytes_added,
         "second_logical": cks[1].logical_bytes,
     }
+
+
+def outcome(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported, for the test to judge
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def reloaded(store: ckstore.Store, rank: int, out: dict[str, Any], base: Path) -> None:
+    """attach: a step saved again under another tag after a load; and a checkpoint that holds no
+    model states this engine reads."""
+    folder = str(base / "reloaded")
+    a = make_engine(0, False, seed=0)
+    ckds.attach(a, store, run="reload")
+    train_step(a, 1, rank)
+    a.save_checkpoint(folder, "a")
+    a.load_checkpoint(folder, "a")
+    want = digest(a)
+    a.save_checkpoint(folder, "b")  # the same step: it replaces the checkpoint "a" pointed at
+    b = make_engine(0, False, seed=1)
+    ckds.attach(b, store, run="reload")
+    out["reload"] = {
+        "b": outcome(lambda: a.load_checkpoint(folder, "b")), "a": outcome(lambda: a.load_checkpoint(folder, "a")),
+        "fresh_b": outcome(lambda: b.load_checkpoint(folder, "b")), "same": digest(a) == want == digest(b),
+    }  # fmt: skip
+    store.commit(0, {0: {"state_dict": {"w": torch.zeros(2)}}}, run="plain")
+    out["no_model_states"] = outcome(lambda: ckds.load(a, store, "plain@0"))
+    z3 = make_engine(3, False, seed=0)
+    out["stage_mismatch"] = outcome(lambda: ckds.load(z3, store, "reload@1"))
 
 
 def attached(store: ckstore.Store, rank: int, world: int, out: dict[str, Any], base: Path) -> None:

@@ -182,6 +182,25 @@ def test_attach_keeps_the_stock_call_sites(jobs: Jobs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_attach_loads_a_step_saved_again_after_a_load(jobs: Jobs) -> None:
+    r = jobs.reports[1][0]["reload"]
+    # the engine that loaded tag a, saved the same step again as b and loads b gets b; a refuses
+    assert r["b"] == "ok" and r["fresh_b"] == "ok" and r["same"], r
+    assert "saved again" in r["a"], r
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_checkpoint_without_loadable_model_states_is_refused(jobs: Jobs) -> None:
+    report = jobs.reports[1][0]
+    assert report["no_model_states"].startswith("CkstoreError: plain@0 holds no model states"), report["no_model_states"]
+    assert "'state_dict'" in report["no_model_states"]
+    # saved without ZeRO-3, loaded into a ZeRO-3 engine: named, not DeepSpeed's bare assert
+    assert report["stage_mismatch"].startswith("CkstoreError: reload@1 holds no model states"), report["stage_mismatch"]
+    assert "zero_pp_rank_*_mp_rank_*_model_states" in report["stage_mismatch"]
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_failing_rank_commits_nothing(jobs: Jobs) -> None:
     for report in jobs.reports[2]:
         assert "commit of run 'fail', step 1 failed on rank 1: OSError: injected write failure" in report["fail_write"]
@@ -398,3 +417,25 @@ def test_export_writes_only_inside_the_folder(tmp_path: Path, store: ckstore.Sto
     assert list(outside.iterdir()) == []  # the link at latest was replaced, not followed
     assert (out / "latest").read_text() == "global_step2" and not (out / "latest").is_symlink()
     assert torch.equal(torch.load(out / "global_step2" / "mp_rank_00_model_states.pt")["module"]["w"], t)
+
+
+def test_export_takes_a_tag_that_is_no_string_as_deepspeed_does(tmp_path: Path, store: ckstore.Store) -> None:
+    t = torch.arange(4.0)
+    store.commit(2, {0: {"mp_rank_00_model_states": {"module": {"w": t}}}})
+    export_folder(store, 2, str(tmp_path / "out"), tag=7)  # engine.save_checkpoint(dir, 7) writes dir/7
+    assert (tmp_path / "out" / "latest").read_text() == "7"
+    assert torch.equal(torch.load(tmp_path / "out" / "7" / "mp_rank_00_model_states.pt")["module"]["w"], t)
+
+
+def test_import_follows_latest_to_a_tag_with_spaces(tmp_path: Path, store: ckstore.Store) -> None:
+    folder = tmp_path / "ck"
+    (folder / "epoch 3=final").mkdir(parents=True)  # engine.save_checkpoint(dir, "epoch 3=final")
+    (folder / "latest").write_text("epoch 3=final")
+    w = torch.arange(4.0)
+    torch.save({"module": {"w": w}, "global_steps": 3}, folder / "epoch 3=final" / "mp_rank_00_model_states.pt")
+    ck = import_folder(store, str(folder), allow_pickle=True)
+    assert ck.step == 3 and torch.equal(store.checkout(ck.ref)[0]["mp_rank_00_model_states"]["module"]["w"], w)
+    for bad in ("../x", "a/b", "..", ""):
+        (folder / "latest").write_text(bad)
+        with pytest.raises(StoreConfigError, match="does not name a tag folder"):
+            import_folder(store, str(folder), allow_pickle=True)

@@ -257,6 +257,42 @@ def test_unwrap_and_clean_like_timm() -> None:
     assert cktimm.unwrap_model(compiled_like) is net
     assert cktimm.clean_state_dict({"module.w": 1, "_orig_mod.b": 2, "x": 3}) == {"w": 1, "b": 2, "x": 3}
 
+    # torch.compile around DDP: timm strips both prefixes, in either order
+    assert cktimm.clean_state_dict({"_orig_mod.module.w": 1, "module._orig_mod.b": 2}) == {"w": 1, "b": 2}
+
+
+def test_resume_strips_the_prefixes_of_a_compiled_ddp_module(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    net = torch.nn.Linear(2, 2)
+    ddp_like = torch.nn.Module()
+    ddp_like.module = net
+    compiled_like = torch.nn.Module()
+    compiled_like._orig_mod = ddp_like  # torch.compile(DDP(net)): keys '_orig_mod.module.weight'
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    saver = cktimm.CheckpointSaver(compiled_like, opt, store=store, unwrap_fn=lambda m: m)
+    saver.save_checkpoint(0, 0.5)
+    assert "_orig_mod.module.weight" in cktimm.checkpoint_dict(store, "last")["state_dict"]
+    fresh = torch.nn.Linear(2, 2)
+    assert cktimm.resume_checkpoint(fresh, store, "last") == 1
+    assert torch.equal(fresh.weight, net.weight) and torch.equal(fresh.bias, net.bias)
+
+
+def test_numpy_and_tensor_metrics_are_stored_as_numbers(tmp_path: Path) -> None:
+    import numpy as np
+
+    store = _store(tmp_path)
+    model, opt, _ = _job()
+    saver = cktimm.CheckpointSaver(model, opt, _args(), max_history=2, store=store)
+    assert saver.save_checkpoint(0, np.float32(0.25)) == (0.25, 0)
+    assert saver.save_checkpoint(1, torch.tensor(0.5)) == (0.5, 1)
+    assert store.resolve("model_best").metrics == {"epoch": 1.0, "top1": 0.5}
+    assert cktimm.checkpoint_dict(store, "exp@0", sub_keys=[])["metric"] == 0.25
+    # the saver's state is plain numbers, and a restarted saver takes it over
+    assert [m for _, m in saver.checkpoint_files] == [0.5, 0.25]
+    assert all(type(m) is float for _, _, m in saver.state_dict()["checkpoint_files"])
+    two = cktimm.CheckpointSaver(model, opt, _args(), max_history=2, store=store)
+    assert two.load_state_dict_from_checkpoint("last") and two.state_dict() == saver.state_dict()
+
 
 def test_the_adapter_imports_no_timm() -> None:
     code = (

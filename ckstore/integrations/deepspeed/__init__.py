@@ -172,7 +172,7 @@ def load(
         return from_plain(got[src][stem], where=f"{ckpt.ref}, rank {src}, {stem}, ")
 
     client_state = serve(
-        engine, stems, fetch, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+        engine, stems, fetch, source=ckpt.ref, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
     )  # fmt: skip
     return client_state, ckpt

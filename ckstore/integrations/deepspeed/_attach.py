@@ -165,9 +165,9 @@ def attach(
 
         def _checkpoint(self, rec: dict[str, Any], path: str) -> Checkpoint:
             key = (rec["run"], rec["step"])
-            if key not in self._resolved:
-                self._resolved[key] = store.resolve(f"{rec['run']}@{rec['step']}")
-            ckpt = self._resolved[key]
+            ckpt = self._resolved.get(key)
+            if ckpt is None or ckpt.id != rec["checkpoint_id"]:  # saved again since it was cached
+                ckpt = self._resolved[key] = store.resolve(rec["step"], run=rec["run"])
             if ckpt.id != rec["checkpoint_id"]:
                 raise CheckpointNotFoundError(
                     f"{path} points at {ckpt.ref} as it was first saved; that step was saved again "

@@ -20,6 +20,7 @@ Both are collectives, like the engine methods they drive: every rank of the job 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import shutil
 import sys
@@ -184,16 +185,30 @@ def _serve_engine(fetch: Callable[[str], Any], folder: str) -> Any:
     return _Serve()
 
 
-def serve(engine: Any, stems: Iterable[str], fetch: Callable[[str], Any], **load_kwargs: Any) -> Any:
+def serve(
+    engine: Any, stems: Iterable[str], fetch: Callable[[str], Any], *, source: str = "the states", **load_kwargs: Any
+) -> Any:
     """Run ``engine.load_checkpoint`` on the sub-checkpoints ``fetch(stem)`` returns; returns its
     client state. ``stems`` are every sub-checkpoint the checkpoint has (the engine globs for
-    them); ``fetch`` is called only for those this rank reads. Collective."""
+    them); ``fetch`` is called only for those this rank reads; ``source`` names them in errors.
+    Collective."""
     require_deepspeed()
     if not load_kwargs.get("load_optimizer_states", True) and engine.zero_optimization_partition_weights():
         raise CkstoreError(
             "under ZeRO-3, DeepSpeed loads a checkpoint without its optimizer states by reading the "
             "folder's files itself (zero_to_fp32); load with load_optimizer_states=True, or export "
             "the checkpoint (ckstore export --format deepspeed) and load that folder"
+        )
+    stems = list(stems)
+    # the model states the engine globs for (engine._get_all_ckpt_names); without one, DeepSpeed
+    # fails a bare assert
+    pattern = "zero_pp_rank_*_mp_rank_*_model_states" if engine.zero_optimization_partition_weights() else "mp_rank_*_model_states"
+    if not any(fnmatch.fnmatchcase(stem, pattern) for stem in stems):
+        raise CkstoreError(
+            f"{source} holds no model states this engine loads: it reads {pattern} (ZeRO-3 engines read "
+            f"each rank's zero_pp_rank_D_mp_rank_NN_model_states, others mp_rank_NN_model_states), "
+            f"and there are {sorted(stems)[:8]}. Load a checkpoint ckds.save or attach wrote, with the "
+            "ZeRO stage it was saved with"
         )
     scratch = tempfile.mkdtemp(prefix="ckstore-ds-")
     try:

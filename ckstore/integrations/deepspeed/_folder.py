@@ -85,13 +85,20 @@ def _read_latest(path: str) -> str:
     with open(os.path.join(path, "latest"), "rb") as f:
         raw = f.read(_MAX_LATEST + 1)
     tag = raw.decode("utf-8", "replace").strip()
-    if len(raw) > _MAX_LATEST or not _safe_component(tag):
+    if len(raw) > _MAX_LATEST or not _one_component(tag):
         raise StoreConfigError(f"{path}/latest does not name a tag folder inside {path} (it holds {tag[:80]!r})")
     return tag
 
 
 def _safe_component(name: str) -> bool:
     return bool(_SAFE.match(name)) and name not in (".", "..")
+
+
+def _one_component(name: str) -> bool:
+    """A name that is one folder inside its parent: DeepSpeed takes any string as a tag
+    (``epoch 3``, ``step=3``), so only separators, NUL, ``.`` and ``..`` are refused."""
+    seps = {"/", "\\", "\0", os.sep, os.altsep or "/"}
+    return bool(name) and name not in (".", "..") and not any(c in name for c in seps)
 
 
 def _tag_folder(path: str) -> tuple[str, str]:
@@ -200,7 +207,7 @@ def export_folder(
     ref: str | int,
     path: str,
     *,
-    tag: str | None = None,
+    tag: str | int | None = None,
     allow_pickle: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Checkpoint:
@@ -209,7 +216,7 @@ def export_folder(
     import torch
 
     ckpt = store.resolve(ref)
-    tag = tag or f"global_step{ckpt.step}"
+    tag = f"global_step{ckpt.step}" if tag is None or tag == "" else str(tag)  # str(tag), as DeepSpeed's save
     if not _safe_component(tag):
         raise StoreConfigError(f"tag {tag!r} is not a plain folder name (letters, digits, _ . -)")
     stems = [k for k in ckpt.sub_keys if k != _META]

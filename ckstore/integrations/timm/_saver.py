@@ -54,7 +54,9 @@ def _check_metric(value: object) -> float | None:
         raise StoreConfigError(f"metric must be a number or None, got {type(value).__name__} {value!r}") from None
     if number != number or number in (float("inf"), float("-inf")):
         raise StoreConfigError(f"metric must be finite, got {value!r}")
-    return value  # type: ignore[return-value]  # kept as given: timm hands it back unchanged
+    if isinstance(value, (int, float)):
+        return value  # kept as given: timm hands it back unchanged
+    return number  # a numpy or 0-d tensor scalar: stored as a plain float
 
 
 class CheckpointSaver:

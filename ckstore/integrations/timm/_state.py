@@ -54,10 +54,11 @@ def unwrap_model(model: Any) -> Any:
 
 
 def clean_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop the ``module.`` and ``_orig_mod.`` prefixes wrappers add to keys, as timm does."""
+    """Drop the ``module.`` and ``_orig_mod.`` prefixes wrappers add to keys, wrapped in either
+    order (``_orig_mod.module.``: a compiled DDP module), as timm does."""
     out: dict[str, Any] = {}
     for k, v in state_dict.items():
-        for prefix in ("module.", "_orig_mod."):
+        for prefix in ("_orig_mod.", "module.", "_orig_mod."):
             if k.startswith(prefix):
                 k = k[len(prefix) :]
         out[k] = v
