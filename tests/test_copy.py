@@ -21,6 +21,7 @@ from services import S3Server
 import ckstore
 from ckstore.cli import main
 from ckstore.errors import AlreadyExistsError
+from ckstore.format import codec
 from ckstore.retention import LatestN
 
 SETTINGS = {"chunk_size": 4096, "pack_size": 64 * 1024}
@@ -151,3 +152,32 @@ def test_copy_local_to_s3_and_back(tmp_path: Path, s3_server: S3Server, s3_bucke
     assert second.bytes_sent == 0 and remote.blobs.stats.snapshot()["bytes_written"] == 0
     for s in (src, remote, back):
         s.close()
+
+
+def test_a_delta_is_sent_at_the_destinations_level_and_progress_ends_at_its_total(tmp_path: Path) -> None:
+    """A delta travels as a whole chunk encoded again: at the destination's compression level (it
+    was the source's), and counted in the progress by its stored length (the figure ran past the
+    total it was counted against)."""
+    src = ckstore.open(tmp_path / "src", run="r", delta_chain=2, **SETTINGS)
+    w = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
+    src.commit(1, {0: {"m": {"w": w}}})
+    src.commit(2, {0: {"m": {"w": w + 1e-4}}})
+    order = src.manifests(src.resolve(2))[(0, "m")].tensors[0].chunks  # w's chunks, in order
+    locs = src.catalog.chunk_locations(order)
+    deltas = [i for i, d in enumerate(order) if locs[d].base is not None]
+    assert deltas  # step 2 holds deltas
+    dest = ckstore.open(tmp_path / "dest", compression_level=19, **SETTINGS)
+    seen: list[tuple[int, int, int]] = []
+    src.copy(["r@2"], dest, progress=lambda *a: seen.append(a))
+    total = seen[0][1]
+    assert total == sum(loc.length for loc in locs.values())
+    assert all(done <= t == total for done, t, _ in seen) and seen[-1][0] == total
+    raw = dest.checkout("r@2")[0]["m"]["w"]
+    assert_same(raw, w + 1e-4)
+    got = dest.catalog.chunk_locations(order)
+    size = SETTINGS["chunk_size"]
+    for i in deltas:
+        chunk = raw.view(torch.uint8)[i * size : (i + 1) * size].numpy()
+        assert got[order[i]].length == codec.encode(memoryview(chunk), 4, 19).length, i
+    src.close()
+    dest.close()

@@ -5,7 +5,8 @@ Each checkpoint is committed into the destination through the commit protocol's 
 already-encoded frames (:func:`ckstore.commit.frames.commit_frames`, handed in by the store):
 frames travel as stored, no re-encoding, each verified against its digest (decoded and hashed)
 before it is written. A delta (codec 3) is the exception: its base may not be copied, so it is
-sent as a whole chunk, encoded again from the bytes it decodes to. Checkpoints go oldest first, so a parent arrives before its children.
+sent as a whole chunk, encoded again from the bytes it decodes to, at the destination's
+compression level. Checkpoints go oldest first, so a parent arrives before its children.
 
 A copy killed part-way leaves the destination consistent: what finished is committed, the
 checkpoint in flight is a pending one whose written packs are recorded. Copying again skips
@@ -37,7 +38,8 @@ from .retention import policy_from_json
 
 __all__ = ["CopyReport", "copy_checkpoints"]
 
-#: ``progress(bytes_sent, bytes_to_send, bytes_skipped)``
+#: ``progress(bytes_done, bytes_to_send, bytes_skipped)``, in the source's stored bytes (a delta
+#: is sent as a larger whole chunk: it counts its stored length, so the figure ends at the total)
 CopyProgress = Callable[[int, int, int], None]
 _WINDOW = 64
 
@@ -81,7 +83,7 @@ def copy_checkpoints(
     have = set(dest.catalog.chunk_locations(every))
     to_send = sum(where[d].length for d in every if d not in have)
     skipped_bytes = sum(where[d].length for d in every if d in have)
-    sent = [0, 0]  # bytes, chunks
+    sent = [0, 0, 0]  # bytes sent, chunks sent, the source's stored bytes of those chunks
     if progress is not None:
         progress(0, to_send, skipped_bytes)
 
@@ -102,7 +104,7 @@ def copy_checkpoints(
                     "was copied (run `ckstore fsck --deep` on the source)"
                 )
             if loc.base is not None:  # a whole chunk: the destination may not have the base
-                full = codec.encode(out.data, codec.delta_itemsize(frame), src.config.compression_level)
+                full = codec.encode(out.data, codec.delta_itemsize(frame), dest.config.compression_level)
                 return d, b"".join(full.parts), loc.raw_size, full.codec
             return d, frame, loc.raw_size, loc.codec
 
@@ -111,8 +113,9 @@ def copy_checkpoints(
                 for item in pool.map(one, digests[i : i + _WINDOW]):
                     sent[0] += len(item[1])
                     sent[1] += 1
+                    sent[2] += where[item[0]].length
                     if progress is not None:
-                        progress(sent[0], to_send, skipped_bytes)
+                        progress(sent[2], to_send, skipped_bytes)
                     yield item
 
     copied, present, made, lost = [], [], [], []
