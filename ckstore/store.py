@@ -17,6 +17,7 @@ from .errors import (
     ChunkNotFoundError,
     CkstoreError,
     LayoutError,
+    NotFoundError,
     PolicyError,
     StoreConfigError,
 )
@@ -157,7 +158,8 @@ class Store:
     ``run`` is the default run for commits and refs that do not name one. A store may be used
     from several threads for reads; commits from one process run one at a time per store object.
     ``max_inflight`` bounds the asynchronous commits in flight (see :meth:`commit`); set
-    ``store.max_inflight`` before the first asynchronous commit to change it.
+    ``store.max_inflight`` before the first asynchronous commit to change it (after, a change is
+    refused).
     """
 
     def __init__(
@@ -177,12 +179,29 @@ class Store:
         self.config = config
         self.run = check_name("run", run) if run is not None else None
         self.workers = workers or default_workers()
-        self.max_inflight = max_inflight
         self._async: AsyncCommits | None = None
+        self.max_inflight = max_inflight
         self._gcs: BackgroundGc | None = None
         self._delta: Any = None  # a DeltaCache once write_deltas turned deltas on
         self._ahead: Any = None  # the commit._stage.AheadHint of this object's commits, from the first
         self._planes: Any = None  # and their commit._stage.PlaneHints
+
+    @property
+    def max_inflight(self) -> int:
+        """The most asynchronous commits in flight at once (see :meth:`commit`)."""
+        return self._max_inflight
+
+    @max_inflight.setter
+    def max_inflight(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise StoreConfigError(f"max_inflight must be an int of at least 1, got {value!r}")
+        started = self._async
+        if started is not None and value != started.max_inflight:
+            raise StoreConfigError(
+                f"max_inflight is {started.max_inflight}: it is set before the first asynchronous commit "
+                f"of a store object; open the store again to commit with max_inflight={value}"
+            )
+        self._max_inflight = value
 
     def write_deltas(self, chain: int, memory: int | None = None) -> None:
         """Write each changed chunk of later commits as a delta against the same chunk of the
@@ -196,6 +215,11 @@ class Store:
             raise CkstoreError(f"delta_chain must be an int from 0 (off) to {MAX_DELTA_CHAIN}, got {chain!r}")
         if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 0):
             raise CkstoreError(f"delta_memory must be a number of bytes (an int >= 0), got {memory!r}")
+        if memory is not None and not chain:
+            raise CkstoreError(
+                f"delta_memory={memory!r} bounds what deltas are written against: pass delta_chain=N (1 to "
+                f"{MAX_DELTA_CHAIN}) with it, or leave it out"
+            )
         self._delta = DeltaCache(chain, DEFAULT_DELTA_MEMORY if memory is None else memory) if chain else None
 
     def __repr__(self) -> str:
@@ -385,10 +409,14 @@ class Store:
         rank_list, keys = _checkout_subset(ranks, sub_keys)
         with collector_paused():  # see ckstore._collector
             # the checkpoint, its entries and (for all of it) its chunks' locations: one snapshot
-            rows = self.catalog.checkout_rows(
-                parse_ref(ref), run or self.run, lambda ckpt: _scope(ckpt, world_layout, rank_list, keys),
-                locations=rank_list is None and keys is None,
-            )  # fmt: skip
+            try:
+                rows = self.catalog.checkout_rows(
+                    parse_ref(ref), run or self.run, lambda ckpt: _scope(ckpt, world_layout, rank_list, keys),
+                    locations=rank_list is None and keys is None,
+                )  # fmt: skip
+            except NotFoundError as e:
+                self._raise_if_in_flight(e)
+                raise
             return self._load(
                 rows.checkpoint, world_layout, rank_list, keys, allow_pickle=allow_pickle, fallback=fallback,
                 device=device, rows=rows,
@@ -517,7 +545,22 @@ class Store:
     # -- catalog views ----------------------------------------------------------------------------
     def resolve(self, ref: str | int = "latest", *, run: str | None = None) -> Checkpoint:
         """The committed checkpoint a ref names (see :mod:`ckstore.refs`)."""
-        return self.catalog.resolve(parse_ref(ref), default_run=run or self.run)
+        try:
+            return self.catalog.resolve(parse_ref(ref), default_run=run or self.run)
+        except NotFoundError as e:
+            self._raise_if_in_flight(e)
+            raise
+
+    def _raise_if_in_flight(self, e: NotFoundError) -> None:
+        """Raise ``e`` again saying which of this store object's asynchronous commits are still in
+        flight (not visible until they finish), where any are."""
+        flying = [] if self._async is None else self._async.in_flight()
+        if flying:
+            names = "; ".join(p.what for p in flying)
+            raise type(e)(
+                f"{e}; this store object has {len(flying)} asynchronous commit(s) in flight, visible once "
+                f"they finish ({names}): wait for them first (pending.wait() or store.wait())"
+            ) from e
 
     def checkpoints(self, run: str | None = None) -> list[Checkpoint]:
         return self.catalog.checkpoints(run)

@@ -244,3 +244,53 @@ def test_stage_changed_copies_only_changed_tensors(store: ckstore.Store) -> None
     _same(state, store.checkout(3)[0])
     with pytest.raises(ckstore.CkstoreError, match="stage"):
         store.commit(4, {0: state}, blocking=False, stage="some")
+
+
+def test_a_failed_commit_keeps_no_tensor_of_its_state_and_close_frees_staging(store: ckstore.Store) -> None:
+    import gc
+    import weakref
+
+    store.commit(1, {0: _state(1)})
+    state = _state(2)
+    held = weakref.ref(state["model_states"]["w0"])
+    p = store.commit(1, {0: state}, blocking=False)  # step 1 exists: fails in the background
+    with pytest.raises(ckstore.errors.AlreadyExistsError, match="step 1"):
+        p.wait()
+    del state
+    gc.collect()
+    assert held() is None, "the failed commit (or its error) still holds the caller's tensors"
+    assert store.staging_bytes > 0  # kept for the next commit...
+    assert store.commit(2, {0: _state(2)}, blocking=False).wait().step == 2
+    store.close()
+    assert store.staging_bytes == 0  # ...and let go with the store
+
+
+def test_checkout_of_a_commit_still_in_flight_says_so(store: ckstore.Store) -> None:
+    gate, _ = _gate_writes(store)
+    p = store.commit(5, {0: _state(5)}, blocking=False)
+    for call in (lambda: store.checkout(5), lambda: store.resolve("latest")):
+        with pytest.raises(ckstore.errors.NotFoundError, match=r"1 asynchronous commit\(s\) in flight.*step 5.*wait"):
+            call()
+    gate.set()
+    p.wait()
+    _same(_state(5), store.checkout(5)[0])
+    with pytest.raises(ckstore.errors.CheckpointNotFoundError) as info:
+        store.checkout(6)
+    assert "in flight" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", [True, 0, 2.0, "2"])
+def test_max_inflight_is_checked_when_set(store: ckstore.Store, value: Any) -> None:
+    with pytest.raises(ckstore.CkstoreError, match="max_inflight must be an int of at least 1"):
+        store.max_inflight = value
+    assert store.max_inflight == 1
+
+
+def test_max_inflight_makes_buffers_as_needed_and_a_later_change_is_refused(store: ckstore.Store) -> None:
+    store.max_inflight = 10**12  # a bound, not 10**12 buffers made up front
+    assert store.commit(1, {0: _state(1)}, blocking=False).wait().step == 1
+    assert store.commit(2, {0: _state(2)}, blocking=False).wait().step == 2
+    assert len(store._async._buffers) == 1  # type: ignore[union-attr]
+    with pytest.raises(ckstore.CkstoreError, match="before the first asynchronous commit"):
+        store.max_inflight = 2  # would be silently ignored
+    assert store.max_inflight == 10**12

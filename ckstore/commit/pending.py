@@ -10,7 +10,9 @@ Memory: each in-flight commit owns one :class:`~ckstore.format.tensorio.StagingB
 as the largest state it staged (its tensors' bytes, each rounded up to 64 bytes). At most
 ``max_inflight`` commits are in flight (staged and not yet finished), so staging holds at most
 ``max_inflight`` times the state's size; a further ``commit`` waits for a slot. Buffers are
-reused across commits, never allocated per checkpoint.
+made as commits first need them and reused across commits, never allocated per checkpoint;
+:meth:`AsyncCommits.close` (``Store.close``) lets them go. A failed commit keeps neither the
+caller's tensors nor its buffer alive through its error.
 
 Errors never vanish: a failed commit raises from its :meth:`PendingCommit.wait`, and, until it was
 raised once, from the store's next ``commit``, :meth:`AsyncCommits.wait` (``Store.wait``) and
@@ -57,13 +59,12 @@ class AsyncCommits:
     """A store's asynchronous commits: staging slots, the background thread, error reporting."""
 
     def __init__(self, max_inflight: int = 1) -> None:
-        if not isinstance(max_inflight, int) or max_inflight < 1:
+        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 1:
             raise CkstoreError(f"max_inflight must be an int of at least 1, got {max_inflight!r}")
         self.max_inflight = max_inflight
-        self._slots: queue.SimpleQueue[StagingBuffer] = queue.SimpleQueue()
-        for _ in range(max_inflight):
-            self._slots.put(StagingBuffer())
-        self._buffers: list[StagingBuffer] = []
+        self._slots = threading.Semaphore(max_inflight)  # one per commit in flight
+        self._buffers: list[StagingBuffer] = []  # every buffer made, each at most max_inflight
+        self._free: list[StagingBuffer] = []  # those no commit in flight holds
         self._jobs: queue.SimpleQueue[tuple[StagedCommit, StagingBuffer, PendingCommit] | None] = queue.SimpleQueue()
         self._pending: Outcomes[Checkpoint] = Outcomes(
             "(raised by a later call: this asynchronous {what} failed; nothing of it became visible)"
@@ -113,14 +114,18 @@ class AsyncCommits:
         staged commit to the background thread."""
         self.raise_failed()
         t0 = time.perf_counter()
-        buf = self._slots.get()
+        self._slots.acquire()
+        buf = None
         try:
             self.raise_failed()  # a commit that failed while this one waited for its slot
-            if buf not in self._buffers:
-                self._buffers.append(buf)
+            with self._lock:  # the buffer last handed back (it holds the latest state: see stage="changed")
+                buf = self._free.pop() if self._free else None
+                if buf is None:  # made when first needed: max_inflight bounds them, it allocates none
+                    buf = StagingBuffer()
+                    self._buffers.append(buf)
             job = start(buf)
         except BaseException:
-            self._slots.put(buf)
+            self._release(buf)
             raise
         pending = PendingCommit(job.what, time.perf_counter() - t0)
         self._pending.add(pending)
@@ -147,21 +152,37 @@ class AsyncCommits:
                 thread.join()
             if hook is not None:
                 atexit.unregister(hook)  # (a hook run by threading is a no-op once closed)
+            with self._lock:  # the staging memory goes with the store (pinned memory, where CUDA is)
+                self._buffers = [b for b in self._buffers if b not in self._free]
+                self._free.clear()
+
+    def _release(self, buf: StagingBuffer | None) -> None:
+        """Hand a commit's slot back, and its buffer to the next commit."""
+        if buf is not None:
+            with self._lock:
+                self._free.append(buf)
+        self._slots.release()
 
     def _run(self) -> None:
         while True:
             item = self._jobs.get()
             if item is None:
                 return
-            job, buf, pending = item
-            try:
-                ckpt = job.complete()
-            except BaseException as e:  # noqa: BLE001 - kept for wait(), the next commit, close()
-                pending.finish(None, e)
-            else:
-                pending.finish(ckpt, None)
-            finally:
-                self._slots.put(buf)
+            self._complete(*item)
+            del item  # (it would hold the commit, and through it the caller's state, until the next)
+
+    def _complete(self, job: StagedCommit, buf: StagingBuffer, pending: PendingCommit) -> None:
+        try:
+            ckpt = job.complete()
+        except BaseException as e:  # noqa: BLE001 - kept for wait(), the next commit, close()
+            # the error's traceback holds the commit: not the caller's tensors nor the staging buffer
+            job.entries.clear()
+            job.staged.clear()
+            pending.finish(None, e)
+        else:
+            pending.finish(ckpt, None)
+        finally:
+            self._release(buf)
 
 
 def _register_exit(hook: Callable[[], None]) -> None:
