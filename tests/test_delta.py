@@ -17,6 +17,7 @@ from services import S3Server
 from sqlalchemy import text
 
 import ckstore
+from ckstore.config import MAX_DELTA_CHAIN
 from ckstore.errors import CkstoreError, IntegrityError
 from ckstore.format import codec, hashing
 from ckstore.format.manifest import Manifest
@@ -471,3 +472,25 @@ def test_dcp_saves_through_a_delta_store(store_path: Path) -> None:
         dcp.load(target, storage_reader=ckdcp.Reader(s, 2))
     assert_same(target, states[2])
     assert_clean(s)
+
+
+def test_delta_memory_without_a_delta_chain_is_refused(store_path: Path) -> None:
+    with pytest.raises(CkstoreError, match="delta_memory=1000 .*pass delta_chain=N"):
+        ckstore.open(store_path, delta_memory=1000)  # else silently ignored: no deltas written
+    with pytest.raises(CkstoreError, match="pass delta_chain=N"):
+        ckstore.open(store_path, delta_chain=0, delta_memory=1000)
+    s = ckstore.open(store_path, delta_chain=0)
+    assert s._delta is None
+    s.close()
+
+
+def test_a_chain_of_the_longest_length_is_healthy(store_path: Path) -> None:
+    """fsck called a chain of MAX_DELTA_CHAIN deltas, which every reader decodes, longer than that."""
+    states = _states(MAX_DELTA_CHAIN + 1)
+    s = ckstore.open(store_path, run="r", delta_chain=MAX_DELTA_CHAIN, **SETTINGS)
+    for step, st in enumerate(states):
+        s.commit(step, st)
+    assert max(chain for _, _, chain in _deltas(store_path)) == MAX_DELTA_CHAIN
+    assert_same(s.checkout(MAX_DELTA_CHAIN), states[-1])
+    assert_clean(s)
+    s.close()

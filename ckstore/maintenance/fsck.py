@@ -277,7 +277,7 @@ def _chain_problem(
     """What keeps delta ``d`` of a checkpoint from decoding, down its chain of bases: ``(pack key,
     problem, base)``, or None when every base has a chunk row and is undamaged."""
     at = d
-    for _ in range(MAX_DELTA_CHAIN):
+    for _ in range(MAX_DELTA_CHAIN + 1):  # a chain of MAX_DELTA_CHAIN deltas ends on its whole chunk's row
         b = rows.get(at)
         if b is None:
             return None
