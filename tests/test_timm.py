@@ -240,8 +240,8 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path: Path) ->
     with pytest.raises(StoreConfigError, match="needs a run"):
         cktimm.CheckpointSaver(model, opt, store=ckstore.open(tmp_path / "s2"))
     saver = cktimm.CheckpointSaver(model, opt, store=store)
-    for bad in (lambda: saver.save_checkpoint(-1), lambda: saver.save_checkpoint(0, float("nan")),
-                lambda: saver.save_checkpoint(0, "high"), lambda: saver.save_recovery(0, batch_idx=-2)):  # fmt: skip
+    for bad in (lambda: saver.save_checkpoint(-1), lambda: saver.save_checkpoint(0, "high"),
+                lambda: saver.save_recovery(0, batch_idx=-2)):  # fmt: skip
         with pytest.raises(StoreConfigError):
             bad()
     assert saver.find_recovery() == ""
@@ -371,3 +371,21 @@ def test_only_the_primary_rank_saves_in_a_ddp_job(tmp_path: Path) -> None:
     mp.spawn(_ddp_job, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
     store = ckstore.open(tmp_path / "store", run="ddp")
     assert [(c.kind, c.metrics["epoch"], c.ranks) for c in store.checkpoints("ddp")] == [("epoch", 2.0, (0,))]
+
+
+def test_a_diverged_metric_saves_the_epoch_unranked(tmp_path: Path) -> None:
+    """A NaN or infinite metric (an evaluation that diverged) stopped training with an error at the
+    save, where timm's saver saves the epoch: it is saved, kept as one without a metric, and never
+    becomes the best."""
+    store = _store(tmp_path)
+    model, opt, _ = _job()
+    saver = cktimm.CheckpointSaver(model, opt, max_history=2, store=store)
+    assert saver.save_checkpoint(0, 0.5) == (0.5, 0)
+    assert saver.save_checkpoint(1, float("nan")) == (0.5, 0)
+    assert saver.save_checkpoint(2, torch.tensor(float("inf"))) == (0.5, 0)
+    last = store.resolve("last")
+    assert last.metrics["epoch"] == 2 and "metric" not in {k for k, v in last.metrics.items() if v == v}
+    assert store.resolve("model_best").metrics["epoch"] == 0
+    assert [ref for ref, _ in saver.checkpoint_files] == [f"exp@{store.resolve('model_best').step}", last.ref]
+    assert saver.save_checkpoint(3, 0.75) == (0.75, 3)  # a ranked epoch displaces the unranked one
+    assert sorted(_epoch_refs(store)["epoch"]) == [0, 3]

@@ -16,6 +16,7 @@ an extra checkpoint, never a missing one.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -45,14 +46,15 @@ def _check_index(what: str, value: object) -> int:
     return value
 
 
-def _check_metric(value: object) -> float | None:
+def _check_metric(value: object, *, finite: bool = True) -> float | None:
+    """``value`` as a metric; with ``finite=False`` a NaN or infinity passes too."""
     if value is None:
         return None
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise StoreConfigError(f"metric must be a number or None, got {type(value).__name__} {value!r}") from None
-    if number != number or number in (float("inf"), float("-inf")):
+    if finite and not math.isfinite(number):
         raise StoreConfigError(f"metric must be finite, got {value!r}")
     if isinstance(value, (int, float)):
         return value  # kept as given: timm hands it back unchanged
@@ -131,7 +133,13 @@ class CheckpointSaver:
         while no checkpoint had a metric. Tags it ``last``; keeps it if it ranks among the
         ``max_history`` best (then tags it ``model_best`` if its metric is the best so far)."""
         epoch = _check_index("epoch", epoch)
-        metric = _check_metric(metric)
+        metric = _check_metric(metric, finite=False)
+        if metric is not None and not math.isfinite(metric):  # an evaluation that diverged: saved, not ranked
+            _logger.warning(
+                "epoch %d: metric %r is not a finite number; its checkpoint is saved and kept as one without a metric",
+                epoch, metric,
+            )  # fmt: skip
+            metric = None
         step = self._step(step)
         admission = admit(
             self._kept, Kept(step, epoch, metric), self.best_metric, max_history=self.max_history, decreasing=self.decreasing
