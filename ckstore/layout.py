@@ -9,6 +9,7 @@ larger, global tensor.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -130,10 +131,18 @@ class Shard:
         offsets: tuple[int, ...] | None = None,
         global_shape: tuple[int, ...] | None = None,
     ) -> None:
-        mesh_dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
-        dims = (dim,) * len(mesh_dims) if isinstance(dim, int) else tuple(dim)
+        if not callable(getattr(tensor, "dim", None)) or not hasattr(tensor, "shape"):
+            raise LayoutError(f"Shard wraps a torch.Tensor, got {type(tensor).__name__}")
+        mesh_dims = (mesh_dim,) if isinstance(mesh_dim, str) else _tuple(mesh_dim, "mesh dims")
+        if not all(isinstance(m, str) and m for m in mesh_dims):
+            raise LayoutError(f"Shard: mesh dims are names of the world layout's dims, got {mesh_dim!r}")
+        dims = _ints((dim,) * len(mesh_dims) if isinstance(dim, int) else dim, "tensor dims")
         if len(dims) != len(mesh_dims):
             raise LayoutError(f"Shard: {len(mesh_dims)} mesh dims but {len(dims)} tensor dims")
+        if offsets is not None:
+            offsets = _ints(offsets, "offsets")
+        if global_shape is not None:
+            global_shape = _ints(global_shape, "global_shape")
         ndim = tensor.dim()
         if ndim == 0:
             raise LayoutError("Shard: a 0-d tensor cannot be split; store it as a plain tensor")
@@ -171,3 +180,22 @@ class Shard:
             f"Shard(shape={tuple(self.tensor.shape)}, mesh_dims={self.mesh_dims}, dims={self.dims}, "
             f"offsets={self.offsets}, global_shape={self.global_shape})"
         )
+
+
+def _tuple(value: Any, what: str) -> tuple[Any, ...]:
+    try:
+        return tuple(value)
+    except TypeError:
+        raise LayoutError(f"Shard: {what} must be a tuple, got {value!r}") from None
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints (numpy integers and a torch.Size included; bools, floats
+    and strings refused: a manifest records only ints)."""
+    items = _tuple(value, what)
+    try:
+        if any(isinstance(v, bool) for v in items):
+            raise TypeError
+        return tuple(operator.index(v) for v in items)
+    except TypeError:
+        raise LayoutError(f"Shard: {what} must be ints, got {value!r}") from None

@@ -211,6 +211,15 @@ def scenario_fail(store: ckstore.Store, rank: int, world: int, out: dict[str, An
     store.commit(4, {rank: states}, world_layout=SAVED)
     _expect_failure(out, "exists", lambda: store.commit(4, {rank: states}, world_layout=SAVED))
 
+    # pieces that overlap only in their union: every rank refuses them before anything is written
+    cut = (0, 5) if rank == 0 else (4 + 3 * (rank - 1), 4 + 3 * rank)  # ranks 0 and 1 both hold flat[4]
+    piece = Shard(torch.zeros(cut[1] - cut[0]), "dp", offsets=(cut[0],), global_shape=(1 + 3 * world,))
+    try:
+        store.commit(3, {rank: {"m": {"flat": piece}}}, world_layout=WorldLayout.flat(world))
+        raise AssertionError("overlapping pieces were committed")
+    except ckstore.LayoutError as e:
+        out["overlap"] = str(e)
+
     # ranks that disagree on the step
     _expect_failure(out, "disagree", lambda: store.commit(5 + (rank == 3), {rank: states}, world_layout=SAVED))
 

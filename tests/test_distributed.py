@@ -284,6 +284,7 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(dstore: Path, tmp_p
         assert "run 'exp', step 3" in r["mid"] and "nothing was committed" in r["mid"]
         assert "failed on rank 0: AlreadyExistsError" in r["exists"], r["exists"]
         assert "ranks disagree" in r["disagree"] and "rank 3 commits run 'exp', step 6" in r["disagree"]
+        assert "rank 0's piece of shape [5] at [0] and rank 1's piece of shape [3] at [4] overlap" in r["overlap"]
         assert "failed on ranks 0, 1, 2, 3: UnsupportedValueError" in r["partial"], r["partial"]
         assert "placement Partial" in r["partial"] and "redistribute" in r["partial"]
         assert "mesh without dim names" in r["unnamed"], r["unnamed"]

@@ -121,6 +121,30 @@ def test_shard_rejects_bad_declarations() -> None:
         Shard(torch.zeros(4, 4), ("tp", "tp"), dim=(0, 1))
 
 
+
+def test_shard_refuses_what_a_manifest_cannot_hold(store: ckstore.Store) -> None:
+    """A placement a manifest cannot record is refused when declared, not written and then found
+    corrupt at checkout; integers of numpy or a torch.Size are taken as ints."""
+    t = torch.arange(6.0)
+    for bad in ((1.5,), (True,), ("0",)):
+        with pytest.raises(LayoutError, match="offsets"):
+            Shard(t, "dp", offsets=bad, global_shape=(10,))
+    with pytest.raises(LayoutError, match="global_shape"):
+        Shard(t, "dp", offsets=(0,), global_shape=(10.0,))
+    with pytest.raises(LayoutError, match="torch.Tensor"):
+        Shard(np.arange(6), "dp")
+    with pytest.raises(LayoutError, match="mesh dim"):
+        Shard(t, None)  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="tensor dim"):
+        Shard(t, "dp", dim="0")  # type: ignore[arg-type]
+    ok = Shard(t, "dp", offsets=(np.int64(4),), global_shape=torch.Size([10]))
+    rest = Shard(torch.arange(6.0, 10.0), "dp", offsets=(0,), global_shape=(10,))
+    assert ok.offsets == (4,) and type(ok.offsets[0]) is int and type(ok.global_shape[0]) is int
+    store.commit(1, {0: {"m": {"w": rest}}, 1: {"m": {"w": ok}}}, world_layout=WorldLayout({"dp": 2}))
+    full = store.checkout(1, world_layout=WorldLayout.single())[0]["m"]["w"]
+    assert bits(full) == bits(torch.cat([torch.arange(6.0, 10.0), t]))
+
+
 def test_target_box_nests_mesh_dims_like_dtensor() -> None:
     spec = ShardSpec((11, 6), (0, 0), ((0, "dp"), (0, "tp"), (1, "cp")))
     lay = WorldLayout({"dp": 2, "cp": 3, "tp": 2})
@@ -191,6 +215,53 @@ def test_explicit_offsets_must_agree() -> None:
         resolve_shards(lay, [ok[0], PieceInfo(1, "o", "f", (3,), ((0, "dp"),), (3,), (7,))])
     with pytest.raises(LayoutError, match="explicit offsets and others"):
         resolve_shards(lay, [ok[0], PieceInfo(1, "o", "f", (3,), ((0, "dp"),), None, None)])
+
+
+
+def test_pieces_must_tile_the_global_tensor() -> None:
+    """Pieces that overlap or leave a gap are refused when committed, not when checked out."""
+    lay = WorldLayout({"dp": 2})
+
+    def flat(*parts: tuple[int, int]) -> list[PieceInfo]:
+        return [PieceInfo(r, "o", "f", (b - a,), ((0, "dp"),), (a,), (10,)) for r, (a, b) in enumerate(parts)]
+
+    with pytest.raises(LayoutError, match=r"rank 1's piece of shape \[6\] at \[4\] overlap"):
+        resolve_shards(lay, flat((0, 6), (4, 10)))
+    with pytest.raises(LayoutError, match="cover only 8 of its 10 elements"):
+        resolve_shards(lay, flat((0, 4), (6, 10)))
+    with pytest.raises(LayoutError, match="cover only 5 of its 10 elements"):
+        resolve_shards(lay, flat((0, 5))[:1])
+    # replicas (same offsets and shape) are one piece; empty pieces anywhere are fine
+    resolve_shards(lay, flat((0, 10), (0, 10)))
+    resolve_shards(WorldLayout({"dp": 3}), flat((0, 4), (4, 10), (10, 10)))
+    # an even split whose dp lines cut the tensor at different places
+    grid = WorldLayout({"dp": 2, "tp": 2})
+    cuts = {0: 3, 1: 3, 2: 4, 3: 2}
+    with pytest.raises(LayoutError, match="overlap"):
+        resolve_shards(grid, [PieceInfo(r, "m", "w", (cuts[r],), ((0, "tp"),), None, None) for r in range(4)])
+    # ranks that disagree on the dtype of one tensor
+    typed = [PieceInfo(r, "m", "w", (3,), ((0, "dp"),), None, None, dt) for r, dt in enumerate(("float32", "float64"))]
+    with pytest.raises(LayoutError, match="dtypes"):
+        resolve_shards(lay, typed)
+
+
+def test_a_commit_refuses_pieces_that_do_not_tile(store: ckstore.Store) -> None:
+    g = torch.arange(10.0)
+    lay = WorldLayout({"dp": 2})
+
+    def at(a: int, b: int) -> Shard:
+        return Shard(g[a:b].clone(), "dp", offsets=(a,), global_shape=(10,))
+
+    with pytest.raises(LayoutError, match="overlap"):
+        store.commit(1, {0: {"m": {"w": at(0, 6)}}, 1: {"m": {"w": at(4, 10)}}}, world_layout=lay)
+    with pytest.raises(LayoutError, match="cover only 8"):
+        store.commit(1, {0: {"m": {"w": at(0, 4)}}, 1: {"m": {"w": at(6, 10)}}}, world_layout=lay)
+    wide = Shard(g[7:].double(), "dp", offsets=(7,), global_shape=(10,))  # checkout: "its stored pieces disagree"
+    with pytest.raises(LayoutError, match=r"different dtypes \['float32', 'float64'\]"):
+        store.commit(1, {0: {"m": {"w": at(0, 7)}}, 1: {"m": {"w": wide}}}, world_layout=lay)
+    assert store.checkpoints() == []
+    store.commit(1, {0: {"m": {"w": at(0, 7)}}, 1: {"m": {"w": at(7, 10)}}}, world_layout=lay)
+    assert bits(store.checkout(1, world_layout=WorldLayout.single())[0]["m"]["w"]) == bits(g)
 
 
 # -- planning ------------------------------------------------------------------------------------

@@ -61,10 +61,15 @@ class PieceInfo:
     splits: tuple[tuple[int, str], ...]
     offsets: tuple[int, ...] | None
     global_shape: tuple[int, ...] | None
+    dtype: str | None = None  # (checked to agree across the pieces where given)
 
 
 def resolve_shards(layout: WorldLayout, pieces: Sequence[PieceInfo]) -> dict[tuple[int, str, str], ShardSpec]:
-    """ShardSpecs for every piece, keyed by ``(rank, sub_key, path)``."""
+    """ShardSpecs for every piece, keyed by ``(rank, sub_key, path)``.
+
+    The pieces of one tensor must share its dtype and tile its global shape: distinct pieces
+    never overlap (replicas have the same offsets and shape) and together cover every element,
+    else :class:`~ckstore.errors.LayoutError` (checkout would refuse the checkpoint)."""
     mesh = layout.mesh
     groups: dict[tuple[str, str], list[PieceInfo]] = {}
     for p in pieces:
@@ -77,6 +82,9 @@ def resolve_shards(layout: WorldLayout, pieces: Sequence[PieceInfo]) -> dict[tup
         groups.setdefault((p.sub_key, p.path), []).append(p)
     out: dict[tuple[int, str, str], ShardSpec] = {}
     for (sub_key, path), group in groups.items():
+        dtypes = {p.dtype for p in group if p.dtype is not None}
+        if len(dtypes) > 1:
+            raise LayoutError(f"{sub_key}, key {path!r}: ranks hold pieces of it with different dtypes {sorted(dtypes)}")
         explicit = [p for p in group if p.offsets is not None]
         if explicit:
             for p in group:
@@ -86,15 +94,17 @@ def resolve_shards(layout: WorldLayout, pieces: Sequence[PieceInfo]) -> dict[tup
                     )
                 out[(p.rank, sub_key, path)] = ShardSpec(p.global_shape, p.offsets, _mesh_order(layout, p.splits))
             _check_same_global(sub_key, path, group)
-            continue
-        derived = _derive_even(layout, sub_key, path, group)
-        shapes = {spec.global_shape for spec in derived.values()}
-        if len(shapes) > 1:
-            raise LayoutError(
-                f"{sub_key}, key {path!r}: the pieces of an even split add up to different global shapes "
-                f"{sorted(shapes)} on different ranks; replicas must have the same shape"
-            )
-        out.update(derived)
+        else:
+            derived = _derive_even(layout, sub_key, path, group)
+            shapes = {spec.global_shape for spec in derived.values()}
+            if len(shapes) > 1:
+                raise LayoutError(
+                    f"{sub_key}, key {path!r}: the pieces of an even split add up to different global shapes "
+                    f"{sorted(shapes)} on different ranks; replicas must have the same shape"
+                )
+            out.update(derived)
+        gshape = out[(group[0].rank, sub_key, path)].global_shape
+        _check_tiling(sub_key, path, gshape, [(p.rank, out[(p.rank, sub_key, path)].offsets, p.shape) for p in group])
     return out
 
 
@@ -107,6 +117,54 @@ def _check_same_global(sub_key: str, path: str, group: Sequence[PieceInfo]) -> N
     shapes = {p.global_shape for p in group}
     if len(shapes) > 1:
         raise LayoutError(f"{sub_key}, key {path!r}: ranks disagree on the global shape: {sorted(shapes, key=str)}")
+
+
+def _check_tiling(
+    sub_key: str, path: str, gshape: tuple[int, ...], group: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]]
+) -> None:
+    """Refuse pieces ``(rank, offsets, shape)`` of a global tensor of shape ``gshape`` that
+    overlap, stick out of it or leave a gap.
+
+    Replicas (same offsets and shape) are one piece. A tensor whose pieces are all empty is let
+    through: a rank may hold all of it as a plain tensor (DCP's adapter stores a full piece so).
+    Cost: a sweep along the dim the pieces split most, comparing only pieces that overlap along it.
+    """
+    placed: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    for rank, off, shape in group:
+        if len(off) != len(gshape) or len(shape) != len(gshape):
+            raise LayoutError(f"{sub_key}, key {path!r}: rank {rank}'s piece has {len(shape)} dims, the global tensor {len(gshape)}")
+        if any(o < 0 or o + n > g for o, n, g in zip(off, shape, gshape)):
+            raise LayoutError(
+                f"{sub_key}, key {path!r}: rank {rank}'s piece of shape {list(shape)} at {list(off)} does not fit "
+                f"in the global shape {list(gshape)}"
+            )
+        if math.prod(shape):
+            placed.setdefault((off, shape), rank)
+    if not placed:
+        return
+    boxes = list(placed)
+    d = max(range(len(boxes[0][0])), key=lambda i: len({o[i] for o, _ in boxes}))
+    boxes.sort(key=lambda b: b[0][d])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, shape in boxes:
+        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
+        for aoff, ashape in active:
+            if all(max(o, ao) < min(o + n, ao + an) for o, n, ao, an in zip(off, shape, aoff, ashape)):
+                first, second = sorted([(placed[(aoff, ashape)], aoff, ashape), (placed[(off, shape)], off, shape)])
+                raise LayoutError(
+                    f"{sub_key}, key {path!r}: rank {first[0]}'s piece of shape {list(first[2])} at "
+                    f"{list(first[1])} and rank {second[0]}'s piece of shape {list(second[2])} at "
+                    f"{list(second[1])} overlap; each element of a sharded tensor belongs to one piece "
+                    "(replicas have the same offsets and shape)"
+                )
+        active.append((off, shape))
+    covered, total = sum(math.prod(shape) for _, shape in boxes), math.prod(gshape)
+    if covered != total:
+        raise LayoutError(
+            f"{sub_key}, key {path!r}: the pieces of it that ranks {sorted(set(placed.values()))} hold cover only "
+            f"{covered} of its {total} elements (global shape {list(gshape)}); every element of a sharded "
+            "tensor must be in a piece of some rank"
+        )
 
 
 def _derive_even(

@@ -132,6 +132,7 @@ def piece_infos(entries: Sequence[PreparedEntry]) -> list[PieceInfo]:
                     s.splits,
                     s.offsets,
                     s.global_shape,
+                    dtype_name(leaf.tensor.dtype),
                 )
             )
     return out
