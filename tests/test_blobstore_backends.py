@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -50,6 +52,33 @@ class TestLocal(BlobStoreConformance):
         blobs.put("records/checkpoints/ab/r", data, before_publish=publish)
         assert held == [data] and blobs.read("records/checkpoints/ab/r") == data
         assert list((Path(blobs.root) / "tmp").glob("*.part")) == []
+
+
+    def test_a_write_cut_short_leaves_nothing_visible(self, blobs: LocalBlobStore) -> None:
+        """An unbuffered file's ``write`` may take only part of the bytes (here a file size
+        limit cuts it, in a process of its own): the write fails and no truncated object, nor
+        a temp file, is left; before, the rest was dropped and a short pack appeared."""
+        code = (
+            "import resource, signal, sys\n"
+            "from ckstore.blobstore import LocalBlobStore\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))\n"
+            "blobs = LocalBlobStore(sys.argv[1], fsync=sys.argv[2] == '1')\n"
+            "for key, exclusive in (('packs/ab/cut', False), ('cut.json', True)):\n"
+            "    try:\n"
+            "        blobs.put(key, b'1' * 5000, exclusive=exclusive)\n"
+            "    except OSError as e:\n"
+            "        print(key, 'failed', e.errno)\n"
+            "    else:\n"
+            "        print(key, 'written')\n"
+        )
+        for fsync in ("1", "0"):
+            out = subprocess.run(
+                [sys.executable, "-c", code, blobs.root, fsync], capture_output=True, text=True, check=True
+            ).stdout
+            assert out.split("\n")[:2] == ["packs/ab/cut failed 27", "cut.json failed 27"], out
+            assert not blobs.exists("packs/ab/cut") and not blobs.exists("cut.json")
+            assert list((Path(blobs.root) / "tmp").glob("*.part")) == []
 
 
 class TestMemory(BlobStoreConformance):
@@ -279,6 +308,17 @@ def test_local_path_takes_no_storage_options(tmp_path: Path) -> None:
 def test_unknown_protocol_is_a_config_error() -> None:
     with pytest.raises(StoreConfigError, match="cannot open nosuchproto://"):
         open_blobstore("nosuchproto://bucket/x")
+
+
+@pytest.mark.parametrize(
+    "option", [{"attempts": 0}, {"attempts": "4"}, {"write_concurrency": 0}, {"buffer_limit": -1}]
+)
+def test_bad_retry_and_upload_options_are_config_errors(option: dict) -> None:
+    """``attempts=0`` made every request fail with ``AssertionError: unreachable``, a string a
+    ``TypeError``: now opening the store names the option."""
+    (name,) = option
+    with pytest.raises(StoreConfigError, match=f"storage option {name} must be an int"):
+        open_blobstore(f"memory://ckstore-test-{uuid.uuid4().hex}", **option)
 
 
 def _closed_port() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -328,3 +329,23 @@ def test_long_lived_small_chunk_does_not_pin_large_chunks(tmp_path: Path) -> Non
     remaining = sum(b.size for b in s.blobs.list("packs/"))
     assert remaining < 1.1 * 4 * 1024 * 1024  # one checkpoint's weights plus the small pack
     assert torch.equal(s.checkout(2)[0]["rng"]["cpu"], rng)
+
+
+def test_trash_rows_naming_foreign_or_invalid_keys_are_refused_alike_in_dry_and_real_runs(
+    store: ckstore.Store, store_path: Path
+) -> None:
+    """A damaged trash row naming ``ckstore.json``, or ``packs/../ckstore.json`` (no valid key
+    at all), is refused and reported, in the dry run as in the real one; the invalid key made
+    every gc fail with 'invalid blob key' before, and the dry run reported both as deleted."""
+    commit(store, 1)
+    commit(store, 2)
+    store.delete("exp@1")
+    with sqlite3.connect(store_path / "catalog.db") as db:
+        for key in ("ckstore.json", "packs/../ckstore.json"):
+            db.execute("INSERT INTO trash (key, created_at) VALUES (?, '2020-01-01 00:00:00.000000')", (key,))
+    dry = store.gc(grace=0, dry_run=True)
+    real = store.gc(grace=0)
+    assert set(dry.refused) == set(real.refused) == {"ckstore.json", "packs/../ckstore.json"}
+    assert dry.packs_deleted == real.packs_deleted and dry.pack_bytes_freed == real.pack_bytes_freed
+    assert (store_path / "ckstore.json").exists() and steps(store) == [2]
+    check_all(store)

@@ -359,3 +359,25 @@ def test_gc_aborts_uploads_older_than_its_grace_and_no_younger_one(
     assert store.gc(grace=0).temp_files_deleted == 1  # past any grace, the young one goes too
     assert s3_server.uploads(bucket) == {}
     assert_same(store.checkout(1), _state(1))
+
+
+def test_gc_aborts_no_upload_outside_the_stores_own_keys(s3_server: S3Server, tmp_path: Path) -> None:
+    """A store at a bucket's root shares the bucket with whatever else writes there: gc aborts
+    only its own packs' uploads, never another program's (nor one under the store's prefix but
+    outside the keys ckstore writes). moto reports every upload as started long ago."""
+    bucket = s3_server.make_bucket()
+    store = ckstore.open(f"s3://{bucket}", catalog=f"sqlite:///{tmp_path / 'catalog.db'}",
+                         storage_options=s3_server.storage_options(), run="exp", chunk_size=CHUNK)  # fmt: skip
+    store.commit(1, _state(1))
+    client = s3_server.client()
+    ours = "packs/ab/" + "ab" * 16
+    uploads = {k: client.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]
+               for k in (ours, "other-app/big.bin", "packsXY/a", "ckstore.json")}  # fmt: skip
+    report = store.gc(grace=0)
+    assert report.temp_files_deleted == 1
+    assert s3_server.uploads(bucket) == {uploads[k]: k for k in ("other-app/big.bin", "packsXY/a", "ckstore.json")}
+    with pytest.raises(ckstore.errors.BlobStoreError, match="refusing to abort"):
+        store.blobs.discard_temp_files([f"{bucket}/other-app/big.bin\n{uploads['other-app/big.bin']}"])
+    assert len(s3_server.uploads(bucket)) == 3
+    assert_same(store.checkout(1), _state(1))
+    store.close()

@@ -128,16 +128,25 @@ class _CountingWriter:
         self._where = (key, url)
 
     def write(self, data: bytes | memoryview) -> int:
+        """Write all of ``data``: an unbuffered file's ``write`` may take only part of it (a
+        file size limit, a disk filling up), and the rest must not be lost silently."""
+        m = memoryview(data).nbytes
+        done = 0
         try:
-            n = self._f.write(data)
+            while True:
+                n = self._f.write(data if not done else memoryview(data).cast("B")[done:])
+                if n == 0 and m:
+                    raise OSError(errno.EIO, f"writing {self._where[0]} took no bytes")
+                done = m if n is None else done + n
+                if done >= m:
+                    break
         except OSError as e:
             err = _no_space(e, *self._where)
             if err is e:
                 raise
             raise err from e
-        m = memoryview(data).nbytes
         self.written += m
-        return n if n is not None else m
+        return m
 
     def durable_now(self) -> None:
         """Make what was written so far durable now, where the store can before the object
@@ -303,8 +312,12 @@ def check_key(key: str) -> None:
 
 
 def check_deletable(key: str, where: str = "the store") -> None:
-    """Refuse to delete ``key`` unless it lies in a namespace ckstore owns."""
-    check_key(key)
+    """Refuse to delete ``key`` unless it lies in a namespace ckstore owns (a key that is no
+    valid key at all, as ``packs/../ckstore.json``, is refused the same way)."""
+    try:
+        check_key(key)
+    except BlobStoreError as e:
+        raise NotOwnedError(f"refusing to delete {key!r} from {where}: {e}; check the store with `ckstore fsck`") from e
     if not any(key.startswith(p) and len(key) > len(p) for p in OWNED_PREFIXES):
         raise NotOwnedError(
             f"refusing to delete {key!r} from {where}: ckstore deletes only its own objects "

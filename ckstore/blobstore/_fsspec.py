@@ -11,7 +11,15 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..errors import BlobStoreError, StoreConfigError
-from ._base import BlobExistsError, BlobInfo, BlobNotFoundError, BlobStore, NotOwnedError, check_key
+from ._base import (
+    OWNED_PREFIXES,
+    BlobExistsError,
+    BlobInfo,
+    BlobNotFoundError,
+    BlobStore,
+    NotOwnedError,
+    check_key,
+)
 from ._retry import retry
 
 __all__ = ["FsspecBlobStore", "S3_CONFIG_DEFAULTS"]
@@ -299,6 +307,10 @@ class FsspecBlobStore(BlobStore):
         import fsspec
 
         super().__init__(url.rstrip("/"))
+        for name, value, least in (("attempts", attempts, 1), ("buffer_limit", buffer_limit, 0),
+                                   ("write_concurrency", write_concurrency, 1)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise StoreConfigError(f"storage option {name} must be an int >= {least}, got {value!r} ({url})")
         protocol = url.split("://", 1)[0]
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **_with_defaults(protocol, storage_options))
@@ -445,20 +457,23 @@ class FsspecBlobStore(BlobStore):
         lister = getattr(self.fs, "list_multipart_uploads", None)
         if lister is None or not self.root:
             return []
-        bucket, _, prefix = self.root.partition("/")
+        bucket = self.root.partition("/")[0]
         uploads = self._call("listing unfinished uploads", lambda: lister(bucket))
         out = []
         for u in uploads or ():
-            key, started = str(u.get("Key", "")), u.get("Initiated")
+            handle, started = f"{bucket}/{u.get('Key', '')}\n{u.get('UploadId', '')}", u.get("Initiated")
             when = started.timestamp() if hasattr(started, "timestamp") else None
-            if key.startswith(f"{prefix}/" if prefix else "") and when is not None and when < older_than:
-                out.append(f"{bucket}/{key}\n{u['UploadId']}")
+            if self.temp_file_key(handle) is not None and when is not None and when < older_than:
+                out.append(handle)
         return out
 
     def temp_file_key(self, handle: str) -> str | None:
+        """The key of an upload under this store's prefix and in a namespace ckstore writes
+        (:data:`OWNED_PREFIXES`); None for any other upload in the bucket, which is not ours."""
         path = handle.partition("\n")[0]
         prefix = f"{self.root}/"
-        return path[len(prefix) :] if path.startswith(prefix) else None
+        key = path[len(prefix) :] if path.startswith(prefix) else ""
+        return key if any(key.startswith(p) and len(key) > len(p) for p in OWNED_PREFIXES) else None
 
     def discard_temp_files(self, handles: Sequence[str]) -> int:
         """Abort the unfinished uploads in ``handles`` (never a visible object), each one under

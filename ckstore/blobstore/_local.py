@@ -72,7 +72,7 @@ class _Flusher:
     def write(self, data: bytes | memoryview) -> int | None:
         n = self._f.write(data)
         self._clean = False
-        self._since += memoryview(data).nbytes
+        self._since += memoryview(data).nbytes if n is None else n
         if self._start is not None:
             if self._since >= _START_EVERY:
                 if self._start(self._f.fileno(), self.started, self._since, _SYNC_FILE_RANGE_WRITE) == 0:
@@ -244,7 +244,12 @@ class LocalBlobStore(BlobStore):
         path = self._path(key)
         tmp, f = self._open_temp()
         try:
-            f.write(data)
+            view = data.cast("B")
+            while view:  # an unbuffered write may take only part (a file size limit)
+                n = f.write(view)
+                if not n:
+                    raise OSError(errno.EIO, f"writing {key} took no bytes")
+                view = view[n:]
             if self.fsync:
                 os.fdatasync(f.fileno())
             parent = os.path.dirname(path)
