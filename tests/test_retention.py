@@ -216,8 +216,30 @@ def test_durations(text: str, seconds: float) -> None:
         ('{"format": 1, "policy": {"rule": "sometimes"}}', "unknown retention rule"),
         ('{"format": 1, "policy": {"rule": "best", "n": 1}}', "lacks field 'metric'"),
         ('{"format": 1, "policy": {"rule": "latest", "n": "2"}}', "int >= 0"),
+        # a TypeError before, and a tag name read as its letters ('b', 'e', 's', 't')
+        ('{"format": 1, "policy": {"rule": "tagged", "tags": 5}}', "tuple of tag names"),
+        ('{"format": 1, "policy": {"rule": "tagged", "tags": "best"}}', "tuple of tag names"),
+        ('{"format": 1, "policy": {"rule": "any_of", "rules": 5}}', "'any_of' is malformed"),
     ],
 )
 def test_malformed_stored_policy(text: str, match: str) -> None:
     with pytest.raises(PolicyError, match=match):
         policy_from_json(text)
+
+
+def test_gc_names_the_run_whose_stored_policy_is_malformed(store: ckstore.Store) -> None:
+    """A damaged stored policy stops gc with the PolicyError naming the run and the commands
+    that fix it (a TypeError escaped before), and drops nothing."""
+    for step in (1, 2):
+        store.commit(step, {0: {"model_states": {"w": torch.zeros(4)}}})
+    store.catalog.set_run_policy("exp", '{"format": 1, "policy": {"rule": "any_of", "rules": 5}}')
+    with pytest.raises(PolicyError, match="run 'exp' has a malformed stored policy.*ckstore policy clear exp"):
+        store.gc()
+    assert [c.step for c in store.checkpoints()] == [1, 2]
+
+
+@pytest.mark.parametrize("flags", [{"keep_best": ["\u00b2:val_loss"]}, {"keep_kind": ["epoch:\u00b2"]}])
+def test_flags_with_a_digit_int_cannot_read_are_clear_errors(flags: dict) -> None:
+    """'²' is a digit to str.isdigit() but no int: a ValueError escaped before."""
+    with pytest.raises(PolicyError, match="invalid --keep-"):
+        policy_from_flags(**flags)

@@ -274,7 +274,9 @@ class Tagged(Policy):
     tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.tags, str) or not all(isinstance(t, str) and t for t in self.tags):
+        if isinstance(self.tags, str) or not isinstance(self.tags, (tuple, list, set, frozenset)) or not all(
+            isinstance(t, str) and t for t in self.tags
+        ):
             raise PolicyError(f"Tagged.tags must be a tuple of tag names, got {self.tags!r}")
         object.__setattr__(self, "tags", tuple(self.tags))
 
@@ -388,7 +390,7 @@ def _from_obj(obj: Any) -> Policy:
         if rule == "within":
             return Within(obj["seconds"])
         if rule == "tagged":
-            return Tagged(tuple(obj.get("tags", ())))
+            return Tagged(obj.get("tags", ()))
         if rule == "all":
             return KeepAll()
         if rule == "kind":
@@ -397,6 +399,8 @@ def _from_obj(obj: Any) -> Policy:
             return AnyOf(tuple(_from_obj(r) for r in obj["rules"]))
     except KeyError as e:
         raise PolicyError(f"retention rule {rule!r} lacks field {e.args[0]!r}: {obj!r}") from e
+    except TypeError as e:  # a field of the wrong type, as in {"rule": "any_of", "rules": 5}
+        raise PolicyError(f"retention rule {rule!r} is malformed ({e}): {obj!r}") from e
     raise PolicyError(f"unknown retention rule {rule!r}")
 
 
@@ -460,7 +464,7 @@ def _parse_best(spec: str) -> BestN:
     metric, sep, mode = rest.rpartition(":")
     if not sep:
         metric, mode = rest, "min"
-    if not count.isdigit() or not metric:
+    if not count.isdecimal() or not metric:
         raise PolicyError(
             f"invalid --keep-best {spec!r}: expected K:METRIC:min|max, e.g. 3:val_loss:min"
         )
@@ -474,7 +478,7 @@ def _parse_best(spec: str) -> BestN:
 
 def _parse_kind(spec: str) -> ByKind:
     kind, sep, n = spec.rpartition(":")
-    if not sep or not kind or not (n.isdigit() or n == "all"):
+    if not sep or not kind or not (n.isdecimal() or n == "all"):
         raise PolicyError(
             f"invalid --keep-kind {spec!r}: expected KIND:N or KIND:all, e.g. recovery:1"
         )
