@@ -176,6 +176,29 @@ def scenario_load(store: ckstore.Store, rank: int, world: int, out: dict[str, An
     out["ok"] = True
 
 
+def scenario_latest_race(store: ckstore.Store, rank: int, world: int, out: dict[str, Any], tmp: Path) -> None:
+    """Rank 0's Reader names "latest" before a commit of step 2, the other ranks' after it."""
+    alone = dist.new_group([0])
+    if rank == 0:
+        store.commit(1, {0: {"m": {"w": torch.zeros(8)}}}, process_group=alone)
+    dist.barrier()
+    reader = ckdcp.Reader(store, "latest") if rank == 0 else None
+    dist.barrier()
+    if rank == 0:
+        store.commit(2, {0: {"m": {"w": torch.ones(8)}}}, process_group=alone)
+    dist.barrier()
+    if reader is None:
+        reader = ckdcp.Reader(store, "latest")
+    out["step"] = reader.checkpoint.step
+    sd = {"m": {"w": torch.full((8,), -1.0)}}
+    try:
+        dcp.load(sd, storage_reader=reader)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        out["failure"] = f"{type(e).__name__}: {e}"
+    out["w"] = sd["m"]["w"].tolist()
+    out["ok"] = True
+
+
 def main() -> None:
     scenario, store_path, port, rank_s, world_s, out_dir = sys.argv[1:7]
     rank, world = int(rank_s), int(world_s)

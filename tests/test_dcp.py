@@ -174,3 +174,15 @@ def test_export_dcp_folder_loads_with_dcps_own_reader(store: ckstore.Store, tmp_
     for s in (a, b):
         assert bits(s["model"]["w"]) == bits(state["model"]["w"]) and bits(s["model"]["b"]) == bits(state["model"]["b"])
         assert s["extra"]["step"] == 4
+
+
+@pytest.mark.distributed
+def test_readers_that_resolved_latest_to_different_steps_fail_the_load(tmp_path: Path) -> None:
+    """Ranks whose Readers named "latest" on either side of a commit loaded different steps, each
+    without a word: the load now fails on every rank, naming both checkpoints."""
+    path = tmp_path / "store"
+    ckstore.open(path, run="exp").close()
+    reports = run_job("latest_race", 2, path)
+    assert [r["step"] for r in reports] == [1, 2]  # the race happened
+    for r in reports:
+        assert r["ok"] and "exp@2" in r.get("failure", "") and "exp@1" in r["failure"], r

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -312,7 +312,10 @@ class Reader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # the coordinator's checkpoint goes to every rank with its plan: ranks whose Readers named
+        # a ref such as "latest" on either side of a commit would otherwise load different steps
+        mine = (self.checkpoint.id, self.checkpoint.ref)
+        return [replace(p, storage_data=mine) for p in plans]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -322,6 +325,13 @@ class Reader(StorageReader):
         if self._tensors is None:
             self._index()
         assert self._tensors is not None
+        theirs = plan.storage_data
+        if isinstance(theirs, tuple) and len(theirs) == 2 and theirs[0] != self.checkpoint.id:
+            raise CkstoreError(
+                f"this rank's Reader loads {self.checkpoint.ref}, the coordinator's {theirs[1]}: the ranks' "
+                "Readers resolved their ref to different checkpoints (a commit landed between them); give "
+                "every rank the same step (resolve the ref on one rank and broadcast its step)"
+            )
         where = f"run {self.checkpoint.run!r}, step {self.checkpoint.step}"
         batch: list[tuple[Any, list[StoredPiece], tuple[tuple[int, int], ...]]] = []
         held = 0
