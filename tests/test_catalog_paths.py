@@ -207,3 +207,18 @@ def test_statements_run_on_the_driver_read_and_write_what_sqlalchemy_does(store:
         with pytest.raises(sa_exc.IntegrityError):  # the same metric twice: the primary key
             with conn.begin_nested():
                 execute(conn, _NEW_METRICS, [{"checkpoint_id": ck.id, "name": "acc", "value": 1.0}])
+
+
+def test_tagging_a_checkpoint_deleted_meanwhile_names_it(store: ckstore.Store) -> None:
+    """A checkpoint resolved, then deleted by another process (gc, `ckstore delete`, a commit
+    replacing its step) before the tag is written: a clear `CheckpointNotFoundError` naming the
+    run and step, and no tag (it was a raw foreign-key violation from the driver)."""
+    store.commit(1, {0: {"model_states": {"w": torch.ones(3)}}})
+    resolved = store.resolve("exp@1")
+    store.delete("exp@1", force=True)
+    with pytest.raises(ckstore.CheckpointNotFoundError, match="step 1 of run 'exp'"):
+        store.catalog.tag(resolved, "best")
+    store.commit(1, {0: {"model_states": {"w": torch.zeros(3)}}})
+    with pytest.raises(ckstore.CheckpointNotFoundError, match="step 1 of run 'exp'"):
+        store.catalog.tag(resolved, "best")  # the step committed again: another checkpoint
+    assert store.tag("exp@1", "best").step == 1

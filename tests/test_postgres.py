@@ -326,3 +326,62 @@ def test_connection_lost_at_the_commit_of_an_earlier_transaction(
         assert_same(view.checkout(1), sample_states(1))
         assert_consistent(view)
         assert_clean(view)
+
+
+# -- a lease that lapses under a live commit ------------------------------------------------------
+def _waits_on_a_lock(cat: Catalog, application_name: str) -> bool:
+    with cat.engine.connect() as conn:
+        waiting = conn.execute(
+            text("SELECT wait_event_type FROM pg_stat_activity WHERE application_name = :name"),
+            {"name": application_name},
+        ).scalars()
+        return "Lock" in list(waiting)
+
+
+def test_a_takeover_waits_for_the_transaction_that_makes_the_checkpoint_visible(
+    tmp_path: Path, pg_catalog_url: str
+) -> None:
+    """Commit A's lease lapses while A runs the transaction that makes its step visible, and
+    commit B of the same step takes the step over meanwhile: B waits for A's transaction, then
+    finds the step committed. Neither A's entries nor its committed checkpoint are lost (A
+    failed with a raw foreign-key violation, or B deleted A's committed row and both succeeded)."""
+    layout = WorldLayout.flat(1)
+    store = _open(tmp_path / "store", pg_catalog_url)
+    a = store.catalog
+    b = Catalog(f"{pg_catalog_url}&application_name=ckstore-takeover")
+    owner_a, owner_b = Owner.me(), Owner.me()
+    ckpt = a.begin_checkpoint(
+        "exp", 1, kind="checkpoint", replace=False, owner=owner_a, world_layout=layout, lease_seconds=60
+    )
+    outcome: list[BaseException | int] = []
+    done = threading.Event()
+
+    def take_over() -> None:  # B finds A's lease lapsed (a lease of 0 s)
+        try:
+            outcome.append(
+                b.begin_checkpoint(
+                    "exp", 1, kind="checkpoint", replace=False, owner=owner_b, world_layout=layout, lease_seconds=0
+                )
+            )
+        except BaseException as e:  # noqa: BLE001 - checked below
+            outcome.append(e)
+        finally:
+            done.set()
+
+    def record(_added: int, _facts: Any) -> Any:  # inside A's finishing transaction
+        threading.Thread(target=take_over).start()
+        while not done.wait(0.01) and not _waits_on_a_lock(a, "ckstore-takeover"):
+            pass
+        return lambda: None
+
+    entries = [(0, "model_states", b"manifest", 0)]
+    committed = a.finish_checkpoint(
+        ckpt, owner_a, entries=entries, metrics={}, tags=[], logical_bytes=0, replace=False, record=record
+    )
+    done.wait()
+    assert committed.step == 1
+    assert len(outcome) == 1 and isinstance(outcome[0], ckstore.AlreadyExistsError), outcome
+    assert [(c.id, c.step) for c in store.checkpoints()] == [(ckpt, 1)]
+    assert a.pending() == []
+    b.close()
+    store.close()

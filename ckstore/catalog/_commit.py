@@ -44,8 +44,12 @@ __all__ = ["CommitMixin"]
 
 # statements built once: building one costs more than running it, several times a commit
 _ID: BindParameter[Any] = bindparam("ckpt")
-_OWN = select(CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step).where(
-    CHECKPOINTS.c.id == _ID
+# a commit's transactions lock their pending row (on PostgreSQL; SQLite has one writer at a time)
+# against a takeover's DELETE, which then waits for the transaction and sees what it left
+_OWN = (
+    select(CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.run_id, CHECKPOINTS.c.step)
+    .where(CHECKPOINTS.c.id == _ID)
+    .with_for_update(read=True, key_share=True)
 )
 _STEP_ROWS = select(CHECKPOINTS.c.id, CHECKPOINTS.c.status, CHECKPOINTS.c.owner, CHECKPOINTS.c.heartbeat_at).where(
     CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.step == bindparam("step")
@@ -81,6 +85,10 @@ _NEW_CHECKPOINT = CHECKPOINTS.insert().returning(CHECKPOINTS.c.id)
 _NEW_ENTRIES = ENTRIES.insert()
 _NEW_METRICS = METRICS.insert()
 _DROP_CHECKPOINT = delete(CHECKPOINTS).where(CHECKPOINTS.c.id == _ID)
+# a pending row taken over: still pending and still its committer's once its locks are released
+_TAKE_OVER = delete(CHECKPOINTS).where(
+    CHECKPOINTS.c.id == _ID, CHECKPOINTS.c.status == PENDING, CHECKPOINTS.c.owner == bindparam("who")
+)
 _MAKE_VISIBLE = (
     update(CHECKPOINTS)
     .where(CHECKPOINTS.c.id == _ID)
@@ -203,25 +211,9 @@ class CommitMixin(RunsMixin):
         parent = parent_checkpoint_id
         if parent is None and fork_point and origin is not None:
             parent = _fork_point(conn, rid, origin.parent_checkpoint_id, origin.parent_ref)
-        rows = execute(conn, _STEP_ROWS, {"run": rid, "step": step}).all()
+        while not self._free_step(conn, rid, run, step, replace, lease_seconds):
+            pass  # a pending row's commit finished or gave up while we waited for it: look again
         now = utcnow()
-        for r in rows:
-            if r.status == COMMITTED and not replace:
-                raise AlreadyExistsError(
-                    f"run {run!r} already has a checkpoint at step {step}; pass replace=True "
-                    "to overwrite it, or commit another step"
-                )
-            if r.status == PENDING:
-                prev = Owner.parse(r.owner)
-                age = (now - aware(r.heartbeat_at)).total_seconds()
-                # a dead process, or a lease not renewed in time, gives the step up
-                if prev.alive_here() is not False and age < lease_seconds:
-                    raise CommitInProgressError(
-                        f"step {step} of run {run!r} is being committed right now by "
-                        f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
-                        "finish or commit another step"
-                    )
-                execute(conn, _DROP_CHECKPOINT, {"ckpt": r.id})
         new_id = execute(
             conn,
             _NEW_CHECKPOINT,
@@ -240,6 +232,31 @@ class CommitMixin(RunsMixin):
             },
         ).scalar()
         return int(new_id)
+
+    def _free_step(self, conn: Connection, rid: int, run: str, step: int, replace: bool, lease_seconds: float) -> bool:
+        """Take over an abandoned pending row of ``(run, step)``; False when that row changed
+        before it could be deleted (a commit whose transaction was in flight: it may have made
+        the step visible meanwhile), so the caller looks again. Raises when the step is taken."""
+        now = utcnow()
+        for r in execute(conn, _STEP_ROWS, {"run": rid, "step": step}).all():
+            if r.status == COMMITTED and not replace:
+                raise AlreadyExistsError(
+                    f"run {run!r} already has a checkpoint at step {step}; pass replace=True "
+                    "to overwrite it, or commit another step"
+                )
+            if r.status == PENDING:
+                prev = Owner.parse(r.owner)
+                age = (now - aware(r.heartbeat_at)).total_seconds()
+                # a dead process, or a lease not renewed in time, gives the step up
+                if prev.alive_here() is not False and age < lease_seconds:
+                    raise CommitInProgressError(
+                        f"step {step} of run {run!r} is being committed right now by "
+                        f"{prev.describe()} (last heartbeat {age:.0f}s ago); wait for it to "
+                        "finish or commit another step"
+                    )
+                if not execute(conn, _TAKE_OVER, {"ckpt": r.id, "who": r.owner}).rowcount:
+                    return False
+        return True
 
     def _own_pending(self, conn: Connection, ckpt_id: int, owner: Owner) -> Any:
         row = execute(conn, _OWN, {"ckpt": ckpt_id}).first()

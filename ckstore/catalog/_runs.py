@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, bindparam, delete, func, select, update
 
-from ..errors import AlreadyExistsError, NotFoundError
+from ..errors import AlreadyExistsError, CheckpointNotFoundError, NotFoundError
 from ..records import Checkpoint, RunInfo
 from ..refs import check_name
 from ._access import CatalogBase
@@ -19,6 +19,12 @@ _COMMITTED_IN_RUN = (
     select(func.count())
     .select_from(CHECKPOINTS)
     .where(CHECKPOINTS.c.run_id == bindparam("run"), CHECKPOINTS.c.status == COMMITTED)
+)
+
+_COMMITTED_ROW = (
+    select(CHECKPOINTS.c.id)
+    .where(CHECKPOINTS.c.id == bindparam("ckpt"), CHECKPOINTS.c.status == COMMITTED)
+    .with_for_update(read=True, key_share=True)
 )
 
 
@@ -129,6 +135,12 @@ class RunsMixin(CatalogBase):
         check_name("tag", name)
         with self._write() as conn:
             rid = self._run_id(conn, ckpt.run)
+            # locked (on PostgreSQL) until the tag is in: gc or a delete then waits for it
+            if conn.execute(_COMMITTED_ROW, {"ckpt": ckpt.id}).first() is None:
+                raise CheckpointNotFoundError(
+                    f"step {ckpt.step} of run {ckpt.run!r} was deleted meanwhile (by gc, a delete or a "
+                    "commit replacing it); resolve the ref again and tag what it names now"
+                )
             existing = conn.execute(
                 select(CHECKPOINTS.c.step)
                 .select_from(TAGS.join(CHECKPOINTS, CHECKPOINTS.c.id == TAGS.c.checkpoint_id))
