@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conformance.blobstore import BlobStoreConformance
@@ -16,6 +18,7 @@ from services import AzuriteEmulator, GcsEmulator, S3Server
 
 from ckstore.blobstore import (
     S3_CONFIG_DEFAULTS,
+    BlobExistsError,
     BlobNotFoundError,
     BlobStore,
     FsspecBlobStore,
@@ -57,7 +60,8 @@ class TestLocal(BlobStoreConformance):
     def test_a_write_cut_short_leaves_nothing_visible(self, blobs: LocalBlobStore) -> None:
         """An unbuffered file's ``write`` may take only part of the bytes (here a file size
         limit cuts it, in a process of its own): the write fails and no truncated object, nor
-        a temp file, is left; before, the rest was dropped and a short pack appeared."""
+        a temp file, is left; before, the rest was dropped and a short pack appeared. The failure
+        is ckstore's error naming the store and the limit (before: a raw ``OSError`` EFBIG)."""
         code = (
             "import resource, signal, sys\n"
             "from ckstore.blobstore import LocalBlobStore\n"
@@ -68,7 +72,8 @@ class TestLocal(BlobStoreConformance):
             "    try:\n"
             "        blobs.put(key, b'1' * 5000, exclusive=exclusive)\n"
             "    except OSError as e:\n"
-            "        print(key, 'failed', e.errno)\n"
+            "        clear = 'file size limit' in str(e) and 'ulimit -f' in str(e) and sys.argv[1] in str(e)\n"
+            "        print(key, 'failed', type(e).__name__, clear)\n"
             "    else:\n"
             "        print(key, 'written')\n"
         )
@@ -76,9 +81,44 @@ class TestLocal(BlobStoreConformance):
             out = subprocess.run(
                 [sys.executable, "-c", code, blobs.root, fsync], capture_output=True, text=True, check=True
             ).stdout
-            assert out.split("\n")[:2] == ["packs/ab/cut failed 27", "cut.json failed 27"], out
+            assert out.split("\n")[:2] == ["packs/ab/cut failed BlobStoreError True", "cut.json failed BlobStoreError True"], out
             assert not blobs.exists("packs/ab/cut") and not blobs.exists("cut.json")
             assert list((Path(blobs.root) / "tmp").glob("*.part")) == []
+
+
+    def test_an_exclusive_put_without_hard_links_renames_only_onto_a_free_name(self, blobs: LocalBlobStore) -> None:
+        """On a file system without hard links (FAT, exFAT, some SMB and FUSE mounts refuse
+        ``link`` with EPERM or EOPNOTSUPP) an exclusive put renames its temp file with
+        ``RENAME_NOREPLACE``: the first put creates the object whole, the second finds it taken
+        and changes nothing, and no temp file stays (before, the raw EPERM failed every put)."""
+        refused: list[str] = []
+
+        def no_links(src: str, dst: str) -> None:
+            refused.append(dst)
+            raise PermissionError(errno.EPERM, "Operation not permitted", dst)
+
+        blobs._link = no_links  # type: ignore[method-assign]
+        blobs.put("ckstore.json", b"first", exclusive=True)
+        with pytest.raises(BlobExistsError):
+            blobs.put("ckstore.json", b"second", exclusive=True)
+        assert len(refused) == 2 and blobs.read("ckstore.json") == b"first"
+        assert list((Path(blobs.root) / "tmp").glob("*.part")) == []
+
+    def test_an_exclusive_put_without_hard_links_nor_exclusive_rename_is_a_clear_error(
+        self, blobs: LocalBlobStore
+    ) -> None:
+        def refuse(errno_: int) -> Any:
+            def call(src: str, dst: str) -> None:
+                raise OSError(errno_, os.strerror(errno_), dst)
+
+            return call
+
+        blobs._link = refuse(errno.EOPNOTSUPP)  # type: ignore[method-assign]
+        blobs._rename_noreplace = refuse(errno.EINVAL)  # type: ignore[method-assign]
+        with pytest.raises(BlobStoreError, match=r"has no hard links .* no exclusive rename") as e:
+            blobs.put("ckstore.json", b"first", exclusive=True)
+        assert blobs.root in str(e.value) and not blobs.exists("ckstore.json")
+        assert list((Path(blobs.root) / "tmp").glob("*.part")) == []
 
 
 class TestMemory(BlobStoreConformance):

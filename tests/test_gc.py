@@ -349,3 +349,27 @@ def test_trash_rows_naming_foreign_or_invalid_keys_are_refused_alike_in_dry_and_
     assert dry.packs_deleted == real.packs_deleted and dry.pack_bytes_freed == real.pack_bytes_freed
     assert (store_path / "ckstore.json").exists() and steps(store) == [2]
     check_all(store)
+
+
+def test_trash_rows_naming_folders_are_refused_and_no_folder_is_deleted(
+    store: ckstore.Store, store_path: Path
+) -> None:
+    """A trash row naming a folder of the store (``packs/ab``, ``packs/.``, ``packs/ab/``) made
+    every gc crash with IsADirectoryError; such keys are refused and reported, in the dry run as
+    in the real one, and every folder stays with what it holds."""
+    commit(store, 1)
+    commit(store, 2)
+    store.delete("exp@1")
+    folder = next(p for p in (store_path / "packs").iterdir() if any(p.iterdir()))
+    keys = {f"packs/{folder.name}", "packs/.", f"packs/{folder.name}/", "packs"}
+    with sqlite3.connect(store_path / "catalog.db") as db:
+        for key in keys:
+            db.execute("INSERT INTO trash (key, created_at) VALUES (?, '2020-01-01 00:00:00.000000')", (key,))
+    dry = store.gc(grace=0, dry_run=True)
+    real = store.gc(grace=0)
+    assert set(dry.refused) == set(real.refused) == keys
+    assert dry.packs_deleted == real.packs_deleted and dry.pack_bytes_freed == real.pack_bytes_freed
+    assert folder.is_dir() and (store_path / "packs").is_dir()
+    assert set(store.gc(grace=0).refused) == keys  # and every later gc runs through, refusing them again
+    assert steps(store) == [2]
+    check_all(store)

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import pytest
 import torch
@@ -381,3 +382,68 @@ def test_gc_aborts_no_upload_outside_the_stores_own_keys(s3_server: S3Server, tm
     assert len(s3_server.uploads(bucket)) == 3
     assert_same(store.checkout(1), _state(1))
     store.close()
+
+
+class _PagingProxy(FaultProxy):
+    """The fault proxy, answering ``ListMultipartUploads`` as S3 does for a bucket holding more
+    uploads than one answer takes: at most :attr:`page` uploads (fewer when ``max-uploads`` asks),
+    in key order, from the ``key-marker`` / ``upload-id-marker`` asked for, with ``IsTruncated``
+    and the next markers. moto honours ``prefix`` but answers every upload at once, so with S3's
+    page of 1000 a test would need thousands of uploads to see a second page."""
+
+    page = 3
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self._asked = threading.local()  # the query of the request this handler thread forwards
+
+    def _enter_holds(self, req: Any) -> Any:
+        self._asked.query = req.query
+        return super()._enter_holds(req)
+
+    def _rewrite(self, op: str, body: bytes, sent_at: float) -> bytes:
+        body = super()._rewrite(op, body, sent_at)
+        if op != "ListMultipartUploads":
+            return body
+        asked = parse_qs(self._asked.query, keep_blank_values=True)
+        key_marker, id_marker = (asked.get(n, [""])[0] for n in ("key-marker", "upload-id-marker"))
+        size = min(self.page, int(asked.get("max-uploads", [self.page])[0]))
+
+        def ident(upload: bytes) -> tuple[str, str]:
+            return tuple(re.search(rb"<%s>([^<]*)</%s>" % (n, n), upload).group(1).decode()  # type: ignore[union-attr,return-value]
+                         for n in (b"Key", b"UploadId"))  # fmt: skip
+
+        uploads = sorted(re.findall(rb"<Upload>.*?</Upload>", body, flags=re.S), key=ident)
+        after = [u for u in uploads if (ident(u) > (key_marker, id_marker) if id_marker else ident(u)[0] > key_marker)]
+        shown, more = after[:size], len(after) > size
+        body = re.sub(rb"<Upload>.*?</Upload>", b"", body, flags=re.S)
+        tail = b"".join(shown)
+        if more:
+            key, upload_id = ident(shown[-1])
+            tail += f"<NextKeyMarker>{key}</NextKeyMarker><NextUploadIdMarker>{upload_id}</NextUploadIdMarker>".encode()
+        body = re.sub(rb"<IsTruncated>[^<]*</IsTruncated>", b"<IsTruncated>%s</IsTruncated>" % (b"true" if more else b"false"), body)
+        return body.replace(b"</ListMultipartUploadsResult>", tail + b"</ListMultipartUploadsResult>")
+
+
+def test_gc_lists_only_its_prefix_and_every_page_of_unfinished_uploads(s3_server: S3Server, tmp_path: Path) -> None:
+    """A busy shared bucket holds more unfinished uploads than S3 answers at once: gc asks for
+    its own prefix only and follows the pages, so it aborts each of its stale uploads however many
+    others the bucket holds (listing the whole bucket's first page, it aborted none of them)."""
+    bucket = s3_server.make_bucket()
+    client = s3_server.client()
+    others = {client.create_multipart_upload(Bucket=bucket, Key=f"a-other-app/{i}.bin")["UploadId"]: f"a-other-app/{i}.bin"
+              for i in range(4)}  # fmt: skip
+    keys = [f"store/packs/{i:02x}/" + f"{i:02x}" * 16 for i in range(6)] + ["store/packs/02/" + "02" * 16]
+    ours = {client.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]: k for k in keys}
+    assert len(ours) == 7  # two uploads of one key: the next page starts within that key
+    with _PagingProxy(s3_server.endpoint) as proxy:
+        store = _open(s3_server, proxy, tmp_path, bucket)
+        store.commit(1, _state(1))
+        listed = len(proxy.seen("ListMultipartUploads"))
+        report = store.gc(grace=3600)  # moto reports every upload as started in 2010
+        asks = proxy.seen("ListMultipartUploads")[listed:]
+        assert report.temp_files_deleted == 7
+        assert s3_server.uploads(bucket) == others
+        assert len(asks) == 3 and all("prefix=store%2F" in r.query.split("&") for r in asks)
+        assert_same(store.checkout(1), _state(1))
+        store.close()

@@ -215,7 +215,13 @@ class BlobStore(ABC):
         if before_publish is not None:
             raise ValueError("put(): before_publish is not supported with exclusive=True")
         view = memoryview(data)
-        self._put_exclusive(key, view)
+        try:
+            self._put_exclusive(key, view)
+        except OSError as e:
+            err = _no_space(e, key, self.url)
+            if err is e:
+                raise
+            raise err from e
         self.stats.add(writes=1, bytes_written=view.nbytes)
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
@@ -237,12 +243,17 @@ class BlobStore(ABC):
         """Delete ``keys``; returns how many were asked for. Missing keys are ignored. A key
         outside :data:`OWNED_PREFIXES` raises :class:`NotOwnedError` and nothing is deleted."""
         keys = list(keys)
-        for key in keys:
-            check_deletable(key, self.url)
+        self.check_delete(keys)
         if keys:
             self._delete(keys)
             self.stats.add(deletes=len(keys))
         return len(keys)
+
+    def check_delete(self, keys: Sequence[str]) -> None:
+        """Raise :class:`NotOwnedError` if :meth:`delete` would refuse ``keys``; deletes nothing
+        (a dry run of gc asks, to report what a real one refuses)."""
+        for key in keys:
+            check_deletable(key, self.url)
 
     def list(self, prefix: str = "") -> Iterator[BlobInfo]:
         """Every object whose key starts with ``prefix`` (a folder-like prefix ending in ``/``)."""
@@ -296,9 +307,17 @@ class BlobStore(ABC):
 
 
 def _no_space(e: OSError, key: str, url: str) -> OSError:
-    """A full disk or quota as a :class:`BlobStoreError` that says what to do; other errors as
-    they are."""
-    if isinstance(e, BlobStoreError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    """A full disk or quota, or a file size limit, as a :class:`BlobStoreError` that says what to
+    do; other errors as they are."""
+    if isinstance(e, BlobStoreError):
+        return e
+    if e.errno == errno.EFBIG:
+        return BlobStoreError(
+            f"writing {key} in {url} stopped at a file size limit ({e.strerror}): the process's "
+            "(`ulimit -f`, RLIMIT_FSIZE) or the file system's largest file; nothing of what was being "
+            "written became visible. Raise the limit, or open the store with a smaller pack_size, and retry"
+        )
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return e
     return BlobStoreError(
         f"no space left to write {key} in {url} ({e.strerror}); nothing of what was being written "
@@ -313,9 +332,13 @@ def check_key(key: str) -> None:
 
 def check_deletable(key: str, where: str = "the store") -> None:
     """Refuse to delete ``key`` unless it lies in a namespace ckstore owns (a key that is no
-    valid key at all, as ``packs/../ckstore.json``, is refused the same way)."""
+    valid key at all, as ``packs/../ckstore.json``, is refused the same way, and so is one with an
+    empty or ``.`` part, as ``packs/3f/`` or ``packs/.``, which ckstore never writes and which
+    names a folder on a local disk)."""
     try:
         check_key(key)
+        if any(part in ("", ".") for part in key.split("/")):
+            raise BlobStoreError(f"invalid blob key {key!r}")
     except BlobStoreError as e:
         raise NotOwnedError(f"refusing to delete {key!r} from {where}: {e}; check the store with `ckstore fsck`") from e
     if not any(key.startswith(p) and len(key) > len(p) for p in OWNED_PREFIXES):

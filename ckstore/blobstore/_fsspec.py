@@ -454,18 +454,37 @@ class FsspecBlobStore(BlobStore):
     def stale_temp_files(self, older_than: float) -> list[str]:
         """Unfinished multipart uploads under this store's prefix (S3 only): what a commit killed
         while uploading a large pack leaves behind, billed until aborted."""
-        lister = getattr(self.fs, "list_multipart_uploads", None)
-        if lister is None or not self.root:
+        if not self.root or not hasattr(self.fs, "list_multipart_uploads"):
             return []
         bucket = self.root.partition("/")[0]
-        uploads = self._call("listing unfinished uploads", lambda: lister(bucket))
         out = []
-        for u in uploads or ():
+        for u in self._unfinished_uploads(bucket):
             handle, started = f"{bucket}/{u.get('Key', '')}\n{u.get('UploadId', '')}", u.get("Initiated")
             when = started.timestamp() if hasattr(started, "timestamp") else None
             if self.temp_file_key(handle) is not None and when is not None and when < older_than:
                 out.append(handle)
         return out
+
+    def _unfinished_uploads(self, bucket: str) -> list[Any]:
+        """Every unfinished upload under this store's prefix: asked for with ``Prefix`` and
+        followed page by page (S3 answers at most 1000 uploads a request, and a busy shared
+        bucket holds more), where the file system sends S3 requests itself (s3fs's ``call_s3``);
+        else the file system's own listing of the whole bucket."""
+        if not hasattr(self.fs, "call_s3"):
+            lister = self.fs.list_multipart_uploads
+            return list(self._call("listing unfinished uploads", lambda: lister(bucket)) or ())
+        under = self.root.partition("/")[2]
+        ask: dict[str, Any] = {"Bucket": bucket, **({"Prefix": f"{under}/"} if under else {})}
+        out: list[Any] = []
+        while True:
+            page = self._s3("listing unfinished uploads", "list_multipart_uploads", None, **ask)
+            out += page.get("Uploads") or []
+            # a truncated page names where the next one starts; a page that moves on no further
+            # (no marker, or the one just asked with) ends the listing
+            key, upload = page.get("NextKeyMarker") or "", page.get("NextUploadIdMarker") or ""
+            if not page.get("IsTruncated") or not key or (key, upload) == (ask.get("KeyMarker"), ask.get("UploadIdMarker")):
+                return out
+            ask.update(KeyMarker=key, UploadIdMarker=upload)
 
     def temp_file_key(self, handle: str) -> str | None:
         """The key of an upload under this store's prefix and in a namespace ckstore writes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 import threading
 import uuid
@@ -141,6 +142,32 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return cast("Callable[[int, int, int, int], int] | None", _sync_file_range_fn)
 
 
+#: how a file system without hard links refuses ``link`` (FAT and exFAT: EPERM; SMB and FUSE
+#: mounts: EOPNOTSUPP or ENOSYS; a ``tmp/`` on another file system than the object: EXDEV)
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV)
+_AT_FDCWD = -100  # <fcntl.h>
+_RENAME_NOREPLACE = 1  # <linux/fs.h>
+_renameat2_fn: Any = _UNLOADED
+
+
+def _renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
+    """libc's ``renameat2`` (Linux, glibc 2.28), loaded on first use; None elsewhere."""
+    global _renameat2_fn
+    if _renameat2_fn is _UNLOADED:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).renameat2
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+            except (OSError, AttributeError):  # no such symbol in this libc
+                fn = None
+        _renameat2_fn = fn
+    return cast("Callable[[int, bytes, int, bytes, int], int] | None", _renameat2_fn)
+
+
 def _quiet_fdatasync(fd: int) -> None:
     try:
         os.fdatasync(fd)
@@ -255,7 +282,22 @@ class LocalBlobStore(BlobStore):
             parent = os.path.dirname(path)
             self._make_folder(parent)
             try:
-                os.link(tmp, path)  # atomic, and fails when the name is taken
+                try:
+                    self._link(tmp, path)  # atomic, and fails when the name is taken
+                except OSError as e:
+                    if isinstance(e, FileExistsError) or e.errno not in _NO_LINKS:
+                        raise
+                    try:  # a file system without hard links: a rename as atomic and as exclusive
+                        self._rename_noreplace(tmp, path)
+                    except OSError as e2:
+                        if isinstance(e2, FileExistsError):
+                            raise
+                        raise BlobStoreError(
+                            f"cannot create {key!r} in {self.url}: its file system has no hard links "
+                            f"({e.strerror}) and no exclusive rename (renameat2 RENAME_NOREPLACE: "
+                            f"{e2.strerror}), which creating an object only if it is absent needs. Put "
+                            "the store on a file system that has either (ext4, xfs, btrfs, NFS, …)"
+                        ) from e
             except FileExistsError as e:
                 raise BlobExistsError(f"object {key!r} already exists in {self.url}") from e
             if self.fsync:
@@ -263,6 +305,24 @@ class LocalBlobStore(BlobStore):
         finally:
             unlink(tmp)
             f.close()
+
+    def _link(self, src: str, dst: str) -> None:
+        """``os.link`` of an exclusive put (a seam for tests: a file system without hard links)."""
+        os.link(src, dst)
+
+    def _rename_noreplace(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` only if ``dst`` is free, atomically (``renameat2`` with
+        ``RENAME_NOREPLACE``: Linux 3.15, glibc 2.28; ext4, xfs, btrfs, tmpfs, exFAT, FAT and SMB
+        mounts have it, a FUSE mount where its daemon does); :class:`FileExistsError` when taken,
+        another :class:`OSError` where it is missing (a seam for tests too)."""
+        fn = _renameat2()
+        if fn is None:
+            raise OSError(errno.ENOSYS, "renameat2 is not available here")
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) != 0:
+            import ctypes
+
+            n = ctypes.get_errno()
+            raise OSError(n, os.strerror(n), dst)
 
     def _read(self, key: str, start: int, end: int | None) -> bytes:
         path = self._path(key)
@@ -316,16 +376,13 @@ class LocalBlobStore(BlobStore):
         its read)."""
         return os.preadv(fd, [out], offset)
 
-    def _delete(self, keys: Sequence[str]) -> None:
-        """Every key's folder is checked before any file goes, each folder once (gc deletes
-        hundreds of packs from the same few folders). Pack files are then recycled while the
-        bound allows (:meth:`._recycle.Recycler.release`), and the rest unlinked on up to
-        :data:`_UNLINK_THREADS` threads (ext4 frees a file's extents in the ``unlink`` call: about
-        a millisecond for a 3 MiB pack on this project's test machine, 0.7 ms each with four at a
-        time)."""
+    def check_delete(self, keys: Sequence[str]) -> None:
+        """Also refuses a key whose folder resolves outside the store's namespaces (a link put in
+        the store) and a key naming a folder (``packs/3f``, ``packs/.``: a catalog row is
+        untrusted), each folder checked once (gc deletes hundreds of packs from the same few)."""
+        super().check_delete(keys)
         owned = [os.path.realpath(os.path.join(self.root, p.rstrip("/"))) for p in OWNED_PREFIXES]
         checked: set[str] = set()
-        paths = []
         for key in keys:
             path = self._path(key)
             folder = os.path.dirname(path)
@@ -338,7 +395,24 @@ class LocalBlobStore(BlobStore):
                         "outside the store's own namespaces (a link was put in the store)"
                     )
                 checked.add(folder)
-            paths.append(path)
+            try:
+                is_folder = stat.S_ISDIR(os.lstat(path).st_mode)
+            except (FileNotFoundError, NotADirectoryError):  # gone already: nothing to delete
+                continue
+            if is_folder:
+                raise NotOwnedError(
+                    f"refusing to delete {key!r} from {self.url}: it names a folder, not an object; "
+                    "whatever named this key (a catalog row) is damaged or was tampered with. "
+                    "Check the store with `ckstore fsck`"
+                )
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        """Keys were checked before (:meth:`check_delete`). Pack files are recycled while the
+        bound allows (:meth:`._recycle.Recycler.release`), and the rest unlinked on up to
+        :data:`_UNLINK_THREADS` threads (ext4 frees a file's extents in the ``unlink`` call: about
+        a millisecond for a 3 MiB pack on this project's test machine, 0.7 ms each with four at a
+        time)."""
+        paths = [self._path(key) for key in keys]
         if self.recycle_bytes > 0 and self._locks_work():
             packs = [p for k, p in zip(keys, paths) if k.startswith(RECYCLED_PREFIX)]
             kept = self._recycler.release(packs, self.recycle_bytes)

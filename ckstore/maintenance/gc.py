@@ -30,7 +30,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..blobstore import BlobStore, NotOwnedError
-from ..blobstore._base import check_deletable
 from ..catalog import Candidate, Catalog, GcTransaction, Owner, Pending, Survey, utcnow
 from ..errors import PolicyError, ProtectedCheckpointError, StoreConfigError
 from ..format.record import CHECKPOINTS_PREFIX, Identity, checkpoint_key
@@ -314,10 +313,10 @@ def stale_records(
     )
 
 
-def _deletable(key: str) -> bool:
-    """Whether a delete of ``key`` would go ahead (it lies in a namespace ckstore owns)."""
+def _deletable(blobs: BlobStore, key: str) -> bool:
+    """Whether a delete of ``key`` would go ahead (it names an object in a namespace ckstore owns)."""
     try:
-        check_deletable(key)
+        blobs.check_delete([key])
     except NotOwnedError:
         return False
     return True
@@ -408,7 +407,7 @@ def collect(
         _delete_objects(blobs, stale, "records", None)  # after their checkpoints' rows
         remove_temp_files(blobs, temps)
     else:  # what those deletes would refuse
-        refused = [k for k in trash_keys if not _deletable(k)]
+        refused = [k for k in trash_keys if not _deletable(blobs, k)]
     trash_keys = [k for k in trash_keys if k not in set(refused)]
     recycled = blobs.recycled() if not dry_run else (0, 0)
 
