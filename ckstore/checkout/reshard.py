@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..errors import LayoutError
 from ..format import tree as tree_format
-from ..format.manifest import Manifest, ShardSpec, TensorRecord, check_pieces
+from ..format.manifest import Manifest, ShardSpec, TensorRecord, check_pieces, overlap
 from ..layout import WorldLayout, chunk_range
 from .readplan import Box, BoxCopy, Buffer, ChunkCopy, PlanBuilder, ReadPlan, TargetEntry
 
@@ -127,7 +127,6 @@ def _check_tiling(
 
     Replicas (same offsets and shape) are one piece. A tensor whose pieces are all empty is let
     through: a rank may hold all of it as a plain tensor (DCP's adapter stores a full piece so).
-    Cost: a sweep along the dim the pieces split most, comparing only pieces that overlap along it.
     """
     placed: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     for rank, off, shape in group:
@@ -143,21 +142,15 @@ def _check_tiling(
     if not placed:
         return
     boxes = list(placed)
-    d = max(range(len(boxes[0][0])), key=lambda i: len({o[i] for o, _ in boxes}))
-    boxes.sort(key=lambda b: b[0][d])
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for off, shape in boxes:
-        active = [a for a in active if a[0][d] + a[1][d] > off[d]]
-        for aoff, ashape in active:
-            if all(max(o, ao) < min(o + n, ao + an) for o, n, ao, an in zip(off, shape, aoff, ashape)):
-                first, second = sorted([(placed[(aoff, ashape)], aoff, ashape), (placed[(off, shape)], off, shape)])
-                raise LayoutError(
-                    f"{sub_key}, key {path!r}: rank {first[0]}'s piece of shape {list(first[2])} at "
-                    f"{list(first[1])} and rank {second[0]}'s piece of shape {list(second[2])} at "
-                    f"{list(second[1])} overlap; each element of a sharded tensor belongs to one piece "
-                    "(replicas have the same offsets and shape)"
-                )
-        active.append((off, shape))
+    clash = overlap(boxes)
+    if clash is not None:
+        first, second = sorted((placed[box], *box) for box in clash)
+        raise LayoutError(
+            f"{sub_key}, key {path!r}: rank {first[0]}'s piece of shape {list(first[2])} at "
+            f"{list(first[1])} and rank {second[0]}'s piece of shape {list(second[2])} at "
+            f"{list(second[1])} overlap; each element of a sharded tensor belongs to one piece "
+            "(replicas have the same offsets and shape)"
+        )
     covered, total = sum(math.prod(shape) for _, shape in boxes), math.prod(gshape)
     if covered != total:
         raise LayoutError(

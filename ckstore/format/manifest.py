@@ -56,6 +56,7 @@ __all__ = [
     "MAX_NDIM",
     "DIGEST_SIZE",
     "check_pieces",
+    "overlap",
 ]
 
 MANIFEST_VERSION = 1
@@ -509,8 +510,7 @@ def check_pieces(records: Sequence[TensorRecord], what: str) -> None:
     Manifests are validated one by one when parsed; this checks what only their union shows:
     the pieces of a sharded tensor share its dtype and global shape, and pieces at different
     places never overlap (so counting the elements they cover proves a box is filled). Replicas
-    (same offsets and shape) are one piece. Cost: a sweep along the dim the pieces split most,
-    comparing only pieces that overlap along it.
+    (same offsets and shape) are one piece (see :func:`overlap`).
     """
     if not records:
         return
@@ -525,20 +525,31 @@ def check_pieces(records: Sequence[TensorRecord], what: str) -> None:
                 f"{list(first.shard.global_shape)} and {rec.dtype} of global shape {list(rec.shard.global_shape)}"
             )
         boxes[(rec.shard.offsets, rec.shape)] = None
-    placed = list(boxes)
-    if len(placed) < 2:
-        return
-    ndim = len(first.shape)
-    d = max(range(ndim), key=lambda i: len({o[i] for o, _ in placed}))
-    placed.sort(key=lambda b: b[0][d])
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for off, shape in placed:
+    clash = overlap(list(boxes))
+    if clash is not None:
+        (aoff, ashape), (off, shape) = clash
+        raise IntegrityError(
+            f"{what}: stored pieces of shape {list(ashape)} at {list(aoff)} and of shape "
+            f"{list(shape)} at {list(off)} overlap; the checkpoint's manifests are corrupt"
+        )
+
+
+PieceBox = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) of a piece
+
+
+def overlap(boxes: Sequence[PieceBox]) -> tuple[PieceBox, PieceBox] | None:
+    """Two distinct boxes of ``boxes`` that overlap (the one placed first along the sweep dim
+    first), or None. Cost: a sweep along the dim the boxes split most, comparing only boxes
+    that overlap along it."""
+    if len(boxes) < 2:
+        return None
+    d = max(range(len(boxes[0][0])), key=lambda i: len({o[i] for o, _ in boxes}))
+    active: list[PieceBox] = []
+    for off, shape in sorted(boxes, key=lambda b: b[0][d]):
         active = [a for a in active if a[0][d] + a[1][d] > off[d]]
         for aoff, ashape in active:
             if all(max(o, ao) < min(o + n, ao + an) for o, n, ao, an in zip(off, shape, aoff, ashape)):
-                raise IntegrityError(
-                    f"{what}: stored pieces of shape {list(ashape)} at {list(aoff)} and of shape "
-                    f"{list(shape)} at {list(off)} overlap; the checkpoint's manifests are corrupt"
-                )
+                return (aoff, ashape), (off, shape)
         active.append((off, shape))
+    return None
 
